@@ -1,0 +1,103 @@
+"""Tagged memory per process: put memory under a tag, pause it, resume it.
+
+    from colocate import memory
+
+    with memory.region("generator", backup=True):   # allocations inside belong to the tag
+        model = build_model()
+    memory.adopt(optimizer, "trainer", backup=True)  # existing tensors, modules, optimizers
+    memory.pause("trainer")     # memory goes back (to the OS on CPU, the driver on CUDA)
+    memory.resume("trainer")    # same addresses; contents back when the tag has backup
+
+Backends: torch_memory_saver on CUDA (`colocate.memory.cuda`), an mmap arena on CPU
+(`colocate.memory.arena`). Without backup, a resumed tag holds memory again but its
+contents are lost (zeros on CPU, garbage on CUDA). Every transition is checked first
+and a bad one raises a `TaggedMemoryError`; the process stays usable.
+
+The functions below act on one registry per process, shared by every thread and actor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from colocate.memory.cuda import check_allocator_conf, preload_env
+from colocate.memory.errors import (
+    CudaSetupError,
+    TagConflictError,
+    TaggedMemoryError,
+    TagPausedError,
+    TagStateError,
+    UnknownTagError,
+)
+from colocate.memory.registry import TagRegistry, TagState
+
+_registry = TagRegistry()
+
+
+@contextmanager
+def region(tag: str, backup: bool = False,
+           device: str | torch.device | None = None) -> Iterator[None]:
+    """Allocations made inside belong to `tag` (on `device`: CUDA if present, else CPU).
+
+    On CPU the allocations are moved into the tag's arena when the block ends. Regions do
+    not nest. `backup` is fixed per tag by its first use.
+    """
+    with _registry.region(tag, backup, device):
+        yield
+
+
+def adopt(obj: Any, tag: str, backup: bool = False) -> int:
+    """Put the storage behind `obj` under `tag`; returns the bytes newly adopted.
+
+    `obj` is a tensor, an `nn.Module` (parameters, gradients, buffers), an optimizer (its
+    state) or a list/tuple/dict of these. Contents are kept; every view of an adopted
+    storage follows it. Adopting again is a no-op for storages the tag already has.
+    """
+    return _registry.adopt(obj, tag, backup)
+
+
+def pause(tag: str) -> None:
+    """Release the tag's memory (with backup: after saving it)."""
+    _registry.pause(tag)
+
+
+def resume(tag: str) -> None:
+    """Hold the tag's memory again at the same addresses (with backup: its contents)."""
+    _registry.resume(tag)
+
+
+def state(tag: str) -> TagState:
+    """ACTIVE or PAUSED."""
+    return _registry.state(tag)
+
+
+def ensure_active(tag: str) -> None:
+    """Raise `TagPausedError` when `tag` is paused: call before using its tensors."""
+    _registry.ensure_active(tag)
+
+
+def resident_bytes(tag: str) -> int:
+    """Bytes of the tag's live tensors held in memory now (0 while paused)."""
+    return _registry.resident_bytes(tag)
+
+
+def tagged_bytes(tag: str) -> int:
+    """Bytes of the tag's live tensors, held or paused."""
+    return _registry.tagged_bytes(tag)
+
+
+def tags() -> list[str]:
+    """Every tag of this process, sorted."""
+    return _registry.tags()
+
+
+__all__ = [
+    "CudaSetupError", "TagConflictError", "TagPausedError", "TagState", "TagStateError",
+    "TaggedMemoryError", "UnknownTagError", "adopt", "check_allocator_conf",
+    "ensure_active", "pause", "preload_env", "region", "resident_bytes", "resume", "state",
+    "tagged_bytes", "tags",
+]

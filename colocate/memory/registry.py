@@ -1,0 +1,265 @@
+"""The per-process registry of memory tags: states, checked transitions, measurements.
+
+A tag is created by its first `region()` or `adopt()` and is ACTIVE or PAUSED. Every
+transition is checked here, under one lock, before a backend sees it. Each pause and
+resume is measured (memory before and after) into the telemetry timeline, and the memory
+left after each pause feeds the leak tracker.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from colocate import telemetry
+from colocate.memory.errors import (
+    TagConflictError,
+    TaggedMemoryError,
+    TagPausedError,
+    TagStateError,
+    UnknownTagError,
+)
+from colocate.memory.storages import Capture, collect, revive
+
+
+class TagState(enum.Enum):
+    ACTIVE = "active"
+    PAUSED = "paused"
+
+
+class Backend(Protocol):
+    device_type: str
+
+    def region(self, tag: str, backup: bool) -> Any: ...
+    def claim(self, tag: str, storages: list[torch.UntypedStorage], backup: bool) -> None: ...
+    def adopt(self, tag: str, storages: list[torch.UntypedStorage], backup: bool) -> None: ...
+    def pause(self, tag: str, backup: bool) -> None: ...
+    def resume(self, tag: str) -> None: ...
+
+
+@dataclass
+class Tag:
+    """What the registry knows of one tag."""
+
+    name: str
+    backup: bool
+    state: TagState = TagState.ACTIVE
+    storages: dict[int, StorageWeakRef] = field(default_factory=dict)
+    devices: set[str] = field(default_factory=set)
+
+    def live_storages(self, device_type: str | None = None) -> list[torch.UntypedStorage]:
+        live = {cdata: revive(ref) for cdata, ref in self.storages.items()}
+        self.storages = {c: self.storages[c] for c, s in live.items() if s is not None}
+        return [s for s in live.values()
+                if s is not None and device_type in (None, s.device.type)]
+
+    def nbytes(self, device_type: str | None = None) -> int:
+        return sum(s.nbytes() for s in self.live_storages(device_type))
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _reading(device_type: str) -> int:
+    if device_type == "cuda":
+        return telemetry.read_gpu(torch.cuda.current_device()).used_bytes
+    return telemetry.process_rss()
+
+
+class TagRegistry:
+    """All tags of this process and the backends that hold their memory."""
+
+    def __init__(self) -> None:
+        self._tags: dict[str, Tag] = {}
+        self._backends: dict[str, Backend] = {}
+        self._lock = threading.RLock()
+        self._in_region = threading.local()
+
+    # -- backends and tags ------------------------------------------------------------
+
+    def _backend(self, device_type: str) -> Backend:
+        if device_type not in self._backends:
+            if device_type == "cpu":
+                from colocate.memory.arena import ArenaBackend
+
+                self._backends["cpu"] = ArenaBackend()
+            elif device_type == "cuda":
+                from colocate.memory.cuda import CudaBackend
+
+                self._backends["cuda"] = CudaBackend()
+            else:
+                raise TaggedMemoryError(
+                    f"no memory backend for device type {device_type!r}: use 'cpu' or 'cuda'."
+                )
+        return self._backends[device_type]
+
+    def _get(self, tag: str) -> Tag:
+        try:
+            return self._tags[tag]
+        except KeyError:
+            raise UnknownTagError(
+                f"unknown memory tag {tag!r}: give it memory with region() or adopt() first "
+                f"(known tags: {sorted(self._tags) or 'none'})."
+            ) from None
+
+    def _writable(self, tag: str, backup: bool) -> Tag:
+        """The tag to add memory to, created if new; refuses a paused tag or a new policy."""
+        if not isinstance(tag, str) or not tag:
+            raise TaggedMemoryError(f"a memory tag is a non-empty string, got {tag!r}.")
+        record = self._tags.setdefault(tag, Tag(tag, backup))
+        if record.backup != backup:
+            raise TagConflictError(
+                f"tag {tag!r} was created with backup={record.backup}; it cannot take memory "
+                f"with backup={backup}. Use another tag for memory with another policy."
+            )
+        if record.state is TagState.PAUSED:
+            raise TagPausedError(
+                f"tag {tag!r} is paused: resume({tag!r}) before adding memory to it."
+            )
+        return record
+
+    def _check_unowned(self, tag: str, storages: list[torch.UntypedStorage]) -> None:
+        for storage in storages:
+            owner = self._owner(storage)
+            if owner is not None:
+                raise TagConflictError(
+                    f"a storage of {storage.nbytes()} bytes already belongs to tag "
+                    f"{owner.name!r}; it cannot also belong to {tag!r}."
+                )
+
+    def _track(self, record: Tag, storages: list[torch.UntypedStorage]) -> None:
+        for storage in storages:
+            record.storages.setdefault(storage._cdata, StorageWeakRef(storage))
+            record.devices.add(storage.device.type)
+
+    def _owner(self, storage: torch.UntypedStorage) -> Tag | None:
+        for record in self._tags.values():
+            ref = record.storages.get(storage._cdata)
+            if ref is not None and not ref.expired():
+                return record
+        return None
+
+    # -- giving memory to a tag ---------------------------------------------------------
+
+    @contextmanager
+    def region(self, tag: str, backup: bool = False,
+               device: str | torch.device | None = None) -> Iterator[None]:
+        device_type = torch.device(device or _default_device()).type
+        if getattr(self._in_region, "tag", None) is not None:
+            raise TagConflictError(
+                f"region({tag!r}) inside region({self._in_region.tag!r}): regions do not nest."
+            )
+        with self._lock:
+            record = self._writable(tag, backup)
+            backend = self._backend(device_type)
+        capture = Capture(device_type)
+        self._in_region.tag = tag
+        try:
+            with backend.region(tag, backup), capture:
+                yield
+        finally:
+            self._in_region.tag = None
+            with self._lock:
+                storages = [s for s in capture.live() if self._owner(s) is None]
+                backend.claim(tag, storages, backup)
+                self._track(record, storages)
+
+    def adopt(self, obj: Any, tag: str, backup: bool = False) -> int:
+        with self._lock:
+            record = self._writable(tag, backup)
+            storages = [s for s in collect(obj) if s._cdata not in record.storages]
+            self._check_unowned(tag, storages)  # raises before anything moves
+            by_device: dict[str, list[torch.UntypedStorage]] = {}
+            for storage in storages:
+                by_device.setdefault(storage.device.type, []).append(storage)
+            for device_type, group in by_device.items():
+                self._backend(device_type).adopt(tag, group, backup)
+            self._track(record, storages)
+            return sum(s.nbytes() for s in storages)
+
+    # -- transitions -----------------------------------------------------------------
+
+    def pause(self, tag: str) -> None:
+        with self._lock:
+            record = self._get(tag)
+            if record.state is TagState.PAUSED:
+                raise TagStateError(f"tag {tag!r} is already paused; resume({tag!r}) first.")
+            done: list[str] = []
+            try:
+                for device_type in sorted(record.devices):
+                    self._measured("pause", record, device_type,
+                                   lambda b: b.pause(tag, record.backup))
+                    done.append(device_type)
+            except BaseException as err:
+                for device_type in done:
+                    self._backend(device_type).resume(tag)
+                raise TaggedMemoryError(
+                    f"pause({tag!r}) failed on {device_type}; the tag is still active "
+                    f"({', '.join(done) or 'nothing'} rolled back): {err}"
+                ) from err
+            record.state = TagState.PAUSED
+
+    def resume(self, tag: str) -> None:
+        with self._lock:
+            record = self._get(tag)
+            if record.state is TagState.ACTIVE:
+                raise TagStateError(f"tag {tag!r} is already active; pause({tag!r}) first.")
+            for device_type in sorted(record.devices):
+                try:
+                    self._measured("resume", record, device_type, lambda b: b.resume(tag))
+                except BaseException as err:
+                    raise TaggedMemoryError(
+                        f"resume({tag!r}) failed on {device_type}; the tag stays paused and "
+                        f"resume({tag!r}) may be retried: {err}"
+                    ) from err
+            record.state = TagState.ACTIVE
+
+    def _measured(self, op: str, record: Tag, device_type: str, action) -> None:
+        backend = self._backend(device_type)
+        nbytes = record.nbytes(device_type)
+        start, before = time.time(), _reading(device_type)
+        began = time.perf_counter()
+        action(backend)
+        seconds = time.perf_counter() - began
+        after = _reading(device_type)
+        telemetry.timeline().record(telemetry.SwitchEvent(
+            op=op, tag=record.name, nbytes=nbytes, seconds=seconds, before_bytes=before,
+            after_bytes=after, device=device_type, start=start, pid=os.getpid(),
+        ))
+        if op == "pause":
+            telemetry.leak_tracker().observe(f"{record.name}@{device_type}", after)
+
+    # -- queries -----------------------------------------------------------------------
+
+    def state(self, tag: str) -> TagState:
+        with self._lock:
+            return self._get(tag).state
+
+    def ensure_active(self, tag: str) -> None:
+        if self.state(tag) is TagState.PAUSED:
+            raise TagPausedError(
+                f"tag {tag!r} is paused: its tensors hold no memory until resume({tag!r})."
+            )
+
+    def resident_bytes(self, tag: str) -> int:
+        with self._lock:
+            record = self._get(tag)
+            return 0 if record.state is TagState.PAUSED else record.nbytes()
+
+    def tagged_bytes(self, tag: str) -> int:
+        with self._lock:
+            return self._get(tag).nbytes()
+
+    def tags(self) -> list[str]:
+        with self._lock:
+            return sorted(self._tags)

@@ -1,0 +1,32 @@
+"""Telemetry of memory time-sharing: memory readings, the pause/resume timeline, leak tracking.
+
+>>> from colocate.telemetry import leak_tracker, read
+>>> after = read("cpu")  # or "cuda:0", right after pausing a tag
+>>> leak_tracker().observe("generator", after.used_bytes)
+"""
+
+from colocate.telemetry.leaks import LeakTracker, ResidualGrowthWarning, leak_tracker
+from colocate.telemetry.readings import (
+    MemoryReading,
+    TelemetryError,
+    process_rss,
+    read,
+    read_cpu,
+    read_gpu,
+)
+from colocate.telemetry.timeline import SwitchEvent, Timeline, timeline
+
+__all__ = [
+    "LeakTracker",
+    "MemoryReading",
+    "ResidualGrowthWarning",
+    "SwitchEvent",
+    "TelemetryError",
+    "Timeline",
+    "leak_tracker",
+    "process_rss",
+    "read",
+    "read_cpu",
+    "read_gpu",
+    "timeline",
+]

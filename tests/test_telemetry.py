@@ -1,0 +1,245 @@
+"""Tests of colocate.telemetry: readings, the switch timeline, leak tracking."""
+
+import os
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+
+from colocate.telemetry import (
+    LeakTracker,
+    MemoryReading,
+    ResidualGrowthWarning,
+    SwitchEvent,
+    TelemetryError,
+    Timeline,
+    leak_tracker,
+    process_rss,
+    read,
+    read_cpu,
+    read_gpu,
+    readings,
+    timeline,
+)
+
+MIB = 1 << 20
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def event(op="pause", tag="gen", nbytes=MIB, seconds=0.1, before=2 * MIB, after=MIB, **kw):
+    fields = dict(device="cuda:0", start=1000.0, pid=os.getpid()) | kw
+    return SwitchEvent(op, tag, nbytes, seconds, before, after, **fields)
+
+
+# readings
+
+
+def test_read_cpu_rss_rises_with_a_filled_tensor():
+    before = read_cpu()
+    tensor = torch.ones(64 * MIB // 4, dtype=torch.float32)
+    after = read_cpu()
+    assert after.used_bytes - before.used_bytes >= 0.9 * tensor.nbytes
+    assert after.device == "cpu" and after.uss_bytes is None
+    assert after.timestamp >= before.timestamp
+
+
+def test_read_cpu_with_uss():
+    reading = read_cpu(include_uss=True)
+    assert reading.uss_bytes is not None and 0 < reading.uss_bytes <= reading.used_bytes
+
+
+def test_process_rss_and_read_dispatch():
+    assert process_rss() > 0
+    for device in ("cpu", torch.device("cpu")):
+        reading = read(device)
+        assert isinstance(reading, MemoryReading) and reading.device == "cpu"
+    with pytest.raises(ValueError, match="meta"):
+        read("meta")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and NVML")
+def test_read_gpu_sees_an_allocation():
+    index = torch.cuda.current_device()
+    before = read_gpu(index)
+    tensor = torch.ones(256 * MIB // 4, device=f"cuda:{index}")
+    torch.cuda.synchronize()
+    after = read("cuda")
+    assert after.device == f"cuda:{index}"
+    assert after.used_bytes - before.used_bytes >= 0.9 * tensor.nbytes
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_read_gpu_without_cuda_raises_a_clear_error():
+    with pytest.raises(TelemetryError, match="nvidia-ml-py|driver|CUDA device"):
+        read_gpu(0)
+    with pytest.raises(TelemetryError):
+        read("cuda:0")
+
+
+def test_read_gpu_without_nvml_bindings_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(readings, "_nvml", None)
+    monkeypatch.setattr(readings, "_handles", {})
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` fail
+    with pytest.raises(TelemetryError, match="nvidia-ml-py"):
+        read_gpu(0)
+
+
+# timeline
+
+
+def test_switch_event_properties():
+    pause = event(nbytes=2_000_000_000, seconds=0.5, before=5 * MIB, after=2 * MIB)
+    assert pause.released_bytes == 3 * MIB
+    assert pause.gbps == pytest.approx(4.0)
+    assert event(op="resume").released_bytes == 0
+    assert event(seconds=0.0).gbps == 0.0
+    with pytest.raises(ValueError, match="op"):
+        event(op="stop")
+
+
+def test_timeline_json_round_trip(tmp_path):
+    line = Timeline()
+    recorded = [
+        event(tag="gen", start=10.0),
+        event(op="resume", tag="gen", start=11.0, before=MIB, after=2 * MIB),
+        event(tag="train", device="cpu", start=12.5, seconds=0.25),
+    ]
+    for e in recorded:
+        line.record(e)
+    path = tmp_path / "timeline.json"
+    line.to_json(path)
+    assert Timeline.from_json(path).events == recorded
+    line.clear()
+    assert line.events == []
+
+
+def test_timeline_events_is_a_copy():
+    line = Timeline()
+    line.record(event())
+    line.events.clear()
+    assert len(line.events) == 1
+
+
+def test_timeline_summary():
+    line = Timeline()
+    line.record(event(tag="gen", nbytes=2_000_000_000, seconds=1.0))
+    line.record(event(op="resume", tag="gen", nbytes=2_000_000_000, seconds=0.5))
+    line.record(event(tag="train", nbytes=1_000_000_000, seconds=0.0))
+    gen, train = line.summary()
+    assert gen == {
+        "tag": "gen",
+        "pauses": 1,
+        "resumes": 1,
+        "total_bytes": 4_000_000_000,
+        "mean_seconds": pytest.approx(0.75),
+        "mean_gbps": pytest.approx(3.0),
+    }
+    assert (train["tag"], train["pauses"], train["resumes"]) == ("train", 1, 0)
+    assert train["total_bytes"] == 1_000_000_000 and train["mean_gbps"] == 0.0
+
+
+def test_timeline_plot_writes_a_png(tmp_path):
+    line = Timeline()
+    gib = 1 << 30
+    t = 1000.0
+    for cycle in range(3):
+        for tag, device in (("gen", "cuda:0"), ("kv", "cuda:0"), ("train", "cpu")):
+            where = dict(tag=tag, device=device)
+            line.record(event(start=t, before=20 * gib, after=8 * gib, **where))
+            line.record(event(op="resume", start=t + 1, before=8 * gib, after=20 * gib, **where))
+            t += 2 + cycle
+    path = tmp_path / "timeline.png"
+    line.plot(path)
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 1000
+
+
+def test_empty_timeline_summarises_and_plots(tmp_path):
+    line = Timeline()
+    assert line.summary() == []
+    line.plot(tmp_path / "empty.png")
+    assert (tmp_path / "empty.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_timeline_is_thread_safe():
+    line = Timeline()
+
+    def record_many(worker):
+        for i in range(1000):
+            line.record(event(tag=f"t{worker}", start=float(i)))
+
+    threads = [threading.Thread(target=record_many, args=(w,)) for w in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(line.events) == 8000
+    assert all(row["pauses"] == 1000 for row in line.summary())
+
+
+def test_process_wide_defaults():
+    assert timeline() is timeline()
+    assert leak_tracker() is leak_tracker()
+
+
+# leaks
+
+
+def observe_all(tracker, tag, residuals):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for residual in residuals:
+            tracker.observe(tag, residual)
+    return [w for w in caught if issubclass(w.category, ResidualGrowthWarning)]
+
+
+def test_steady_residuals_do_not_warn():
+    tracker = LeakTracker()
+    assert observe_all(tracker, "gen", [100 * MIB] * 20) == []
+    assert tracker.history("gen") == [100 * MIB] * 20
+
+
+def test_noise_within_tolerance_does_not_warn():
+    tracker = LeakTracker()
+    noise = [0, 4, -3, 7, 8, 2, -6, 8, 5, 7]  # MiB, never above the 8 MiB tolerance
+    assert observe_all(tracker, "gen", [100 * MIB + n * MIB for n in noise]) == []
+    big = LeakTracker()  # 1% of 10 GiB is ~102 MiB: 50 MiB more is noise
+    assert observe_all(big, "kv", [10 << 30] + [(10 << 30) + 50 * MIB] * 10) == []
+
+
+def test_growing_residuals_warn_once():
+    tracker = LeakTracker()
+    caught = observe_all(tracker, "generator", [100 * MIB + i * 10 * MIB for i in range(10)])
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "'generator'" in message and "MiB" in message
+
+
+def test_growth_must_last_a_whole_window():
+    tracker = LeakTracker(window=3)
+    up, base = 200 * MIB, 100 * MIB
+    assert observe_all(tracker, "gen", [base, up, up, base, up, up, base]) == []
+    assert len(observe_all(tracker, "gen", [up])) == 0
+    assert len(observe_all(tracker, "gen", [up, up])) == 1
+
+
+def test_reset():
+    tracker = LeakTracker()
+    growing = [100 * MIB + i * 10 * MIB for i in range(5)]
+    assert len(observe_all(tracker, "gen", growing)) == 1
+    assert len(observe_all(tracker, "gen", growing)) == 0  # already warned
+    tracker.reset("gen")
+    assert tracker.history("gen") == []
+    assert len(observe_all(tracker, "gen", growing)) == 1  # new baseline, warns again
+    observe_all(tracker, "train", [MIB])
+    tracker.reset()
+    assert tracker.history("gen") == [] and tracker.history("train") == []
+
+
+def test_leak_tracker_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        LeakTracker(window=0)
+    with pytest.raises(ValueError):
+        LeakTracker(tolerance_bytes=-1)
