@@ -30,13 +30,14 @@ def checksum(module: torch.nn.Module) -> str:
 
 
 def build(mib: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.nn.Module, torch.Tensor]:
-    width = 1024
-    layers = max(1, mib * MiB // 3 // (width * width * 4 * 3))  # weights + 2 Adam moments
-    with memory.region("trainer", backup=True, device="cpu"):
-        trainer = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    layer_mib = 4  # one 1024 x 1024 float32 Linear
+    with memory.region("trainer", backup=True, device="cpu"):  # weights, grads, 2 moments
+        trainer = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024)
+                                        for _ in range(max(1, mib // (4 * layer_mib)))])
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
-    with memory.region("generator", backup=True, device="cpu"):
-        generator = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    with memory.region("generator", backup=True, device="cpu"):  # half weights, half cache
+        generator = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024)
+                                          for _ in range(max(1, mib // (2 * layer_mib)))])
     with memory.region("generator-cache", device="cpu"):
         cache = torch.zeros(mib * MiB // 2 // 4)
     return trainer, optimizer, generator, cache
