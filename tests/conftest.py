@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
@@ -10,10 +11,22 @@ from typing import Any
 import pytest
 
 
-def run_isolated(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run `fn(*args)` in a new spawned Python process and return its result."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
+def run_isolated(fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None) -> Any:
+    """Run `fn(*args)` in a new spawned Python process (with `env` added to its
+    environment) and return its result."""
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    try:
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        future = pool.submit(fn, *args)  # the worker starts here, with `env`
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
+    with pool:
+        return future.result()
 
 
 @pytest.fixture
