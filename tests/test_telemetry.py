@@ -83,7 +83,7 @@ def test_read_gpu_without_nvml_bindings_says_what_to_install(monkeypatch):
     monkeypatch.setattr(readings, "_handles", {})
     monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` fail
     with pytest.raises(TelemetryError, match="nvidia-ml-py"):
-        read_gpu(0)
+        readings.read_gpu_uuid("GPU-00000000-0000-0000-0000-000000000000")
 
 
 # timeline

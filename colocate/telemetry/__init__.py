@@ -9,10 +9,13 @@ from colocate.telemetry.leaks import LeakTracker, ResidualGrowthWarning, leak_tr
 from colocate.telemetry.readings import (
     MemoryReading,
     TelemetryError,
+    device_uuid,
     process_rss,
     read,
     read_cpu,
     read_gpu,
+    read_gpu_uuid,
+    read_pid,
 )
 from colocate.telemetry.timeline import SwitchEvent, Timeline, timeline
 
@@ -23,10 +26,13 @@ __all__ = [
     "SwitchEvent",
     "TelemetryError",
     "Timeline",
+    "device_uuid",
     "leak_tracker",
     "process_rss",
     "read",
     "read_cpu",
     "read_gpu",
+    "read_gpu_uuid",
+    "read_pid",
     "timeline",
 ]

@@ -28,6 +28,7 @@ class MemoryReading:
     used_bytes: int
     timestamp: float
     uss_bytes: int | None = None
+    total_bytes: int | None = None  # a GPU's capacity
 
 
 _process_cache: tuple[int, psutil.Process] | None = None
@@ -57,9 +58,18 @@ def read_cpu(include_uss: bool = False) -> MemoryReading:
     return MemoryReading("cpu", process.memory_info().rss, time.time())
 
 
+def read_pid(pid: int) -> MemoryReading:
+    """The RSS of another process of this host (how an arbiter measures a CPU slot)."""
+    try:
+        rss = psutil.Process(pid).memory_info().rss
+    except psutil.Error as e:
+        raise TelemetryError(f"cannot read memory of process {pid}: {e}") from e
+    return MemoryReading(f"pid:{pid}", rss, time.time())
+
+
 _nvml_lock = threading.Lock()
 _nvml: Any = None  # the pynvml module, once nvmlInit() has succeeded
-_handles: dict[int, Any] = {}  # torch device index -> NVML device handle
+_handles: dict[str, Any] = {}  # bare device UUID -> NVML device handle
 
 
 def _init_nvml() -> Any:
@@ -85,7 +95,7 @@ def _init_nvml() -> Any:
         return _nvml
 
 
-def _torch_uuid(index: int) -> str:
+def device_uuid(index: int) -> str:
     """The bare UUID ("xxxxxxxx-xxxx-...") of torch's cuda:<index>, after any remapping."""
     if not torch.cuda.is_available():
         raise TelemetryError(
@@ -100,32 +110,40 @@ def _torch_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid).removeprefix("GPU-")
 
 
-def _handle(index: int) -> Any:
-    """The NVML handle of torch's cuda:<index>, found by UUID so remapped indices stay right."""
-    handle = _handles.get(index)
+def _handle(uuid: str) -> Any:
+    """The NVML handle of the device with this bare UUID."""
+    handle = _handles.get(uuid)
     if handle is not None:
         return handle
     nvml = _init_nvml()
-    uuid = _torch_uuid(index)
     # NVML names a full GPU "GPU-<uuid>" and a MIG instance "MIG-<uuid>"; torch gives neither.
     for prefix in ("GPU-", "MIG-"):
         try:
             handle = nvml.nvmlDeviceGetHandleByUUID(prefix + uuid)
         except nvml.NVMLError:
             continue
-        _handles[index] = handle
+        _handles[uuid] = handle
         return handle
     raise TelemetryError(
-        f"cannot read memory of cuda:{index}: NVML knows no device with UUID {uuid}; "
+        f"cannot read memory of GPU {uuid}: NVML knows no device with that UUID; "
         "check that torch and NVML see the same driver (`nvidia-smi -L` lists the UUIDs)"
     )
 
 
+def read_gpu_uuid(uuid: str, label: str | None = None) -> MemoryReading:
+    """Memory used (all processes) and total on the GPU with this UUID, as NVML reports it.
+
+    Works from any process of the host, whatever its CUDA_VISIBLE_DEVICES.
+    """
+    info = _nvml.nvmlDeviceGetMemoryInfo(_handle(uuid.removeprefix("GPU-").removeprefix("MIG-")))
+    return MemoryReading(label or f"gpu:{uuid}", int(info.used), time.time(),
+                         total_bytes=int(info.total))
+
+
 def read_gpu(index: int = 0) -> MemoryReading:
-    """Memory used on torch's cuda:<index> (all processes), as NVML reports it."""
-    handle = _handle(index)
-    used = _nvml.nvmlDeviceGetMemoryInfo(handle).used
-    return MemoryReading(f"cuda:{index}", int(used), time.time())
+    """Memory used on torch's cuda:<index> (all processes), found by UUID so that indices
+    remapped by CUDA_VISIBLE_DEVICES stay right."""
+    return read_gpu_uuid(device_uuid(index), label=f"cuda:{index}")
 
 
 def read(device: str | torch.device) -> MemoryReading:

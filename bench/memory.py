@@ -1,0 +1,316 @@
+"""Pause/resume cost of tagged memory, against the raw operations it is built from.
+
+For each size (MiB), in a fresh spawned process so that RSS readings start clean, and taking
+the median of `--repeats` pause/resume cycles:
+
+CPU (the mmap arena, `colocate.memory.arena`):
+  - backup=True: a tensor of random bytes is adopted under a tag, then paused (written to an
+    unlinked file in `$COLOCATE_BACKUP_DIR` or the temp dir, then `MADV_DONTNEED`) and
+    resumed (read back into the same pages). Released fraction = RSS drop over the pause /
+    bytes. After every resume the contents are compared with a copy taken before adoption;
+    any difference raises. The copy is resident through both RSS readings, so it cancels.
+  - raw baselines for the same bytes in the same run: `dst.copy_(src)` between two resident
+    tensors (memcpy); `os.pwrite` of the bytes to a new file in the same directory, no fsync
+    (raw write); `os.preadv` of that file into a tensor allocated just before, so its page
+    faults are counted as in our resume (raw read).
+  - backup=False on another tag: pause (`MADV_DONTNEED`) and resume (fault in zero pages).
+CUDA (torch_memory_saver, when torch sees a GPU): the same with a CUDA tensor; backup=True
+  copies to pinned host memory. Released fraction uses NVML's used bytes on the device. Raw
+  write = device->host `copy_` into a pinned tensor, raw read = host->device, memcpy =
+  device->device; every timing is bracketed by `torch.cuda.synchronize()`.
+
+Targets (PASS/FAIL per row): released fraction >= 0.99; backup pause and resume bandwidth
+>= 0.8x the raw write and raw read bandwidth; discard pause <= 50 ms per GiB (CPU only).
+GB/s are 1e9 bytes per second.
+
+    python bench/memory.py [--sizes 64,256,1024,2048] [--device cpu|cuda] [--repeats 3]
+                           [--out runs/bench_memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from colocate import memory, telemetry  # noqa: E402
+
+MIB, GIB, GB = 1 << 20, 1 << 30, 1e9
+MIN_RELEASED = 0.99
+MIN_VS_RAW = 0.8
+MAX_DISCARD_MS_PER_GIB = 50.0
+Samples = dict[str, list[float]]
+
+
+# -- timing and raw I/O --------------------------------------------------------------------
+
+def _timed(fn: Callable[[], object], cuda: bool = False) -> float:
+    """Seconds that `fn` takes (with the device drained before and after on CUDA)."""
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy, no page touched)."""
+    buffer = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
+    return memoryview(buffer).cast("B")
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    offset = 0
+    while offset < len(view):
+        offset += os.pwrite(fd, view[offset:], offset)
+
+
+def _read_all(fd: int, view: memoryview) -> None:
+    offset = 0
+    while offset < len(view):
+        got = os.preadv(fd, [view[offset:]], offset)
+        if got == 0:
+            raise OSError(f"file ended early at offset {offset}")
+        offset += got
+
+
+def _random_bytes(nbytes: int, device: str) -> torch.Tensor:
+    return torch.empty(nbytes // 8, dtype=torch.int64, device=device).random_().view(torch.uint8)
+
+
+def _check(tensor: torch.Tensor, reference: torch.Tensor, what: str) -> None:
+    if not torch.equal(tensor, reference):
+        raise RuntimeError(f"{what}: contents differ from the copy taken before pausing")
+
+
+# -- one size, in its own process ----------------------------------------------------------
+
+def _cycle(tag: str, nbytes: int, read: Callable[[], int], cuda: bool, samples: Samples,
+           prefix: str = "") -> None:
+    """One timed pause/resume of `tag`, with the memory `read()` says the pause released."""
+    before = read()
+    samples[f"{prefix}pause_s"].append(_timed(lambda: memory.pause(tag), cuda))
+    samples[f"{prefix}released"].append((before - read()) / nbytes)
+    samples[f"{prefix}resume_s"].append(_timed(lambda: memory.resume(tag), cuda))
+
+
+def _empty_samples() -> Samples:
+    return {key: [] for key in (
+        "pause_s", "resume_s", "released", "raw_write_s", "raw_read_s", "memcpy_s",
+        "discard_pause_s", "discard_resume_s", "discard_released")}
+
+
+def _measure_cpu(nbytes: int, repeats: int) -> Samples:
+    backup_dir = os.environ.get("COLOCATE_BACKUP_DIR") or tempfile.gettempdir()
+    samples = _empty_samples()
+    tensor = _random_bytes(nbytes, "cpu")
+    reference = tensor.clone()
+    memory.adopt(tensor, "bench", backup=True)
+    for i in range(repeats):
+        _cycle("bench", nbytes, telemetry.process_rss, False, samples)
+        _check(tensor, reference, f"{nbytes // MIB} MiB, cycle {i + 1}")
+        with tempfile.TemporaryFile(dir=backup_dir) as file:
+            samples["raw_write_s"].append(_timed(lambda: _write_all(file.fileno(),
+                                                                    _view(reference))))
+            fresh = torch.empty(nbytes, dtype=torch.uint8)
+            samples["raw_read_s"].append(_timed(lambda: _read_all(file.fileno(), _view(fresh))))
+        _check(fresh, reference, "raw read baseline")
+        target = torch.zeros(nbytes, dtype=torch.uint8)  # resident before the copy
+        samples["memcpy_s"].append(_timed(lambda: target.copy_(reference)))
+        del fresh, target
+    del tensor, reference
+
+    discard = torch.ones(nbytes, dtype=torch.uint8)
+    memory.adopt(discard, "bench-discard", backup=False)
+    for _ in range(repeats):
+        _cycle("bench-discard", nbytes, telemetry.process_rss, False, samples, "discard_")
+    return samples
+
+
+def _measure_cuda(nbytes: int, repeats: int) -> Samples:
+    samples = _empty_samples()
+    index = torch.cuda.current_device()
+
+    def read() -> int:
+        torch.cuda.synchronize()
+        return telemetry.read_gpu(index).used_bytes
+
+    tensor = _random_bytes(nbytes, "cuda")
+    reference = tensor.clone()
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    memory.adopt(tensor, "bench", backup=True)
+    for i in range(repeats):
+        _cycle("bench", nbytes, read, True, samples)
+        _check(tensor, reference, f"{nbytes // MIB} MiB, cycle {i + 1}")
+        samples["raw_write_s"].append(_timed(lambda: host.copy_(reference), cuda=True))
+        samples["raw_read_s"].append(_timed(lambda: target.copy_(host), cuda=True))
+        _check(target, reference, "raw host->device baseline")
+        samples["memcpy_s"].append(_timed(lambda: target.copy_(reference), cuda=True))
+    del tensor, reference, host, target
+    torch.cuda.empty_cache()
+
+    discard = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    memory.adopt(discard, "bench-discard", backup=False)
+    for _ in range(repeats):
+        _cycle("bench-discard", nbytes, read, True, samples, "discard_")
+    return samples
+
+
+def measure(size_mib: int, device: str, repeats: int) -> Samples:
+    """Every sample for one size on `device`; runs in a child process."""
+    nbytes = size_mib * MIB
+    return _measure_cuda(nbytes, repeats) if device == "cuda" else _measure_cpu(nbytes, repeats)
+
+
+# -- results ---------------------------------------------------------------------------------
+
+def summarise(size_mib: int, device: str, samples: Samples) -> dict[str, Any]:
+    """One row: medians, bandwidths, ratios and verdicts."""
+    nbytes = size_mib * MIB
+    med = {key: statistics.median(values) for key, values in samples.items()}
+    gbps = {key: nbytes / med[f"{key}_s"] / GB
+            for key in ("pause", "resume", "raw_write", "raw_read", "memcpy")}
+    row: dict[str, Any] = {
+        "size_mib": size_mib,
+        "device": device,
+        "pause_ms": med["pause_s"] * 1e3,
+        "resume_ms": med["resume_s"] * 1e3,
+        **{f"{key}_gbps": value for key, value in gbps.items()},
+        "pause_vs_raw": gbps["pause"] / gbps["raw_write"],
+        "resume_vs_raw": gbps["resume"] / gbps["raw_read"],
+        "pause_vs_memcpy": gbps["pause"] / gbps["memcpy"],
+        "resume_vs_memcpy": gbps["resume"] / gbps["memcpy"],
+        "released": med["released"],
+        "discard_pause_ms": med["discard_pause_s"] * 1e3,
+        "discard_resume_ms": med["discard_resume_s"] * 1e3,
+        "discard_pause_ms_per_gib": med["discard_pause_s"] * 1e3 / (nbytes / GIB),
+        "discard_released": med["discard_released"],
+        "samples": samples,
+    }
+    verdicts = {
+        "release": row["released"] >= MIN_RELEASED,
+        "pause": row["pause_vs_raw"] >= MIN_VS_RAW,
+        "resume": row["resume_vs_raw"] >= MIN_VS_RAW,
+    }
+    if device == "cpu":
+        verdicts["discard"] = row["discard_pause_ms_per_gib"] <= MAX_DISCARD_MS_PER_GIB
+    row["verdicts"] = verdicts
+    return row
+
+
+COLUMNS = [  # header, row key, format
+    ("size MiB", "size_mib", "{}"),
+    ("pause ms", "pause_ms", "{:.1f}"),
+    ("resume ms", "resume_ms", "{:.1f}"),
+    ("pause GB/s", "pause_gbps", "{:.2f}"),
+    ("resume GB/s", "resume_gbps", "{:.2f}"),
+    ("raw write GB/s", "raw_write_gbps", "{:.2f}"),
+    ("raw read GB/s", "raw_read_gbps", "{:.2f}"),
+    ("memcpy GB/s", "memcpy_gbps", "{:.2f}"),
+    ("pause/raw", "pause_vs_raw", "{:.2f}"),
+    ("resume/raw", "resume_vs_raw", "{:.2f}"),
+    ("pause/memcpy", "pause_vs_memcpy", "{:.2f}"),
+    ("resume/memcpy", "resume_vs_memcpy", "{:.2f}"),
+    ("released fraction", "released", "{:.4f}"),
+    ("discard pause ms/GiB", "discard_pause_ms_per_gib", "{:.1f}"),
+]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of the rows, one line each, with the verdicts last."""
+    header = [name for name, _, _ in COLUMNS] + ["verdicts"]
+    lines = [[fmt.format(row[key]) for _, key, fmt in COLUMNS]
+             + [" ".join(f"{k}:{'PASS' if ok else 'FAIL'}" for k, ok in row["verdicts"].items())]
+             for row in rows]
+    widths = [max(len(cell) for cell in column) for column in zip(header, *lines, strict=True)]
+
+    def render(cells: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+    return "\n".join([render(header), rule, *map(render, lines)])
+
+
+def machine(device: str) -> dict[str, Any]:
+    if device == "cuda":
+        name = torch.cuda.get_device_name(0)
+    else:
+        cpuinfo = Path("/proc/cpuinfo")
+        lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+        models = [line.split(":", 1)[1].strip() for line in lines
+                  if line.startswith("model name")]
+        name = models[0] if models else platform.processor() or "unknown CPU"
+    return {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / GIB, 1),
+        "torch": torch.__version__,
+        "device": device,
+        "device_name": name,
+        "backup_dir": os.environ.get("COLOCATE_BACKUP_DIR") or tempfile.gettempdir(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="64,256,1024,2048", help="MiB, comma-separated")
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_memory"))
+    args = parser.parse_args(argv)
+    sizes = [int(size) for size in args.sizes.split(",") if size.strip()]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
+    if args.repeats < 1 or not sizes or min(sizes) < 1:
+        parser.error("--repeats and every size must be >= 1")
+
+    info = machine(args.device)
+    command = shlex.join(sys.orig_argv)
+    header = (f"machine: {info['platform']}, {info['cpus']} CPUs, {info['memory_gib']} GiB, "
+              f"torch {info['torch']}, {info['device']}: {info['device_name']}, backup dir "
+              f"{info['backup_dir']} | command: {command}")
+    print(header, flush=True)
+
+    rows = []
+    context = mp.get_context("spawn")
+    for size in tqdm(sizes, desc="sizes", unit="size"):
+        with context.Pool(1) as pool:  # a fresh process per size: clean RSS readings
+            samples = pool.apply(measure, (size, args.device, args.repeats))
+        rows.append(summarise(size, args.device, samples))
+
+    print(table(rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {"header": header, "machine": info, "command": command,
+               "repeats": args.repeats, "rows": rows,
+               "targets": {"released_min": MIN_RELEASED, "vs_raw_min": MIN_VS_RAW,
+                           "discard_pause_ms_per_gib_max": MAX_DISCARD_MS_PER_GIB}}
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    print(f"results: {args.out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
