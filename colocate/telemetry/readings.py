@@ -135,7 +135,8 @@ def read_gpu_uuid(uuid: str, label: str | None = None) -> MemoryReading:
 
     Works from any process of the host, whatever its CUDA_VISIBLE_DEVICES.
     """
-    info = _nvml.nvmlDeviceGetMemoryInfo(_handle(uuid.removeprefix("GPU-").removeprefix("MIG-")))
+    handle = _handle(uuid.removeprefix("GPU-").removeprefix("MIG-"))
+    info = _nvml.nvmlDeviceGetMemoryInfo(handle)
     return MemoryReading(label or f"gpu:{uuid}", int(info.used), time.time(),
                          total_bytes=int(info.total))
 
