@@ -1,0 +1,362 @@
+"""The arbiter's logic for the slots of one host, free of Monarch so it runs anywhere.
+
+For each slot (a GPU, or a CPU proc standing in for one) it knows the tenants and which
+stages of each are awake. `wake(tenant)` puts conflicting tenants to sleep, checks by
+measurement that their memory came back (NVML on GPU, the proc's RSS on CPU), then wakes
+the tenant stage by stage. Requests hold their slots' locks, taken in slot order, so they
+are served in arrival order per slot. A failure rolls the slot back (the sleeper woken
+again, or the half-woken tenant put back to sleep) and the error says who is awake where.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from colocate import telemetry
+from colocate.arbiter.errors import (
+    ArbiterError,
+    ArbiterTimeoutError,
+    ReleaseNotVerifiedError,
+    SwitchError,
+)
+from colocate.arbiter.policy import POLICIES, Budget, Exclusive
+from colocate.arbiter.tenant import TenantHandle, TenantInfo
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ArbiterConfig:
+    """How strict and how patient the arbiter is. Validated here, once."""
+
+    policy: str = "exclusive"
+    release_fraction: float = 0.9  # of a sleeper's resident bytes, measured back
+    release_timeout_s: float = 10.0
+    request_timeout_s: float = 300.0
+    call_timeout_s: float = 120.0
+    min_verified_bytes: int = 1 << 20  # smaller releases are below measurement noise
+    slot_capacity_bytes: int | None = None  # CPU slots: the budget policy's capacity
+    headroom_bytes: int = 0  # budget policy
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"ArbiterConfig.policy={self.policy!r}: use one of {list(POLICIES)}")
+        if not 0 < self.release_fraction <= 1:
+            raise ValueError("ArbiterConfig.release_fraction must be in (0, 1]")
+        for name in ("release_timeout_s", "request_timeout_s", "call_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ArbiterConfig.{name} must be > 0")
+
+    def make_policy(self) -> Exclusive | Budget:
+        if self.policy == "budget":
+            return Budget(self.headroom_bytes)
+        return Exclusive()
+
+
+@dataclass
+class Slot:
+    """One slot's tenants and their awake stages."""
+
+    index: int
+    tenants: dict[str, TenantHandle] = field(default_factory=dict)
+    infos: dict[str, TenantInfo] = field(default_factory=dict)
+    awake: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    woken_order: list[str] = field(default_factory=list)  # least recently woken first
+    unknown: set[str] = field(default_factory=set)  # state lost after a failure
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def awake_tenants(self) -> list[str]:
+        return [name for name in self.woken_order if self.awake.get(name)]
+
+    def mark(self, name: str, stages: Iterable[str]) -> None:
+        stages = tuple(stages)
+        self.awake[name] = stages
+        if name in self.woken_order:
+            self.woken_order.remove(name)
+        self.woken_order.append(name)
+
+    def who(self) -> str:
+        parts = []
+        for name in self.tenants:
+            if name in self.unknown:
+                parts.append(f"{name} unknown (treated as awake)")
+            elif self.awake.get(name):
+                parts.append(f"{name} awake ({', '.join(self.awake[name])})")
+            else:
+                parts.append(f"{name} asleep")
+        return f"slot {self.index}: " + (", ".join(parts) or "no tenants")
+
+
+class SlotArbiter:
+    """Time-shares the memory of one host's slots between their tenants."""
+
+    def __init__(self, slots: Sequence[int], config: ArbiterConfig | None = None) -> None:
+        self.config = config or ArbiterConfig()
+        self.policy = self.config.make_policy()
+        self.slots = {i: Slot(i) for i in slots}
+
+    # -- measurement ------------------------------------------------------------------
+
+    def _reading(self, slot: Slot) -> telemetry.MemoryReading:
+        info = next(iter(slot.infos.values()))
+        if info.device == "cpu":
+            return telemetry.read_pid(info.pid)
+        return telemetry.read_gpu_uuid(info.device)
+
+    def _free_bytes(self, slot: Slot) -> int:
+        reading = self._reading(slot)
+        capacity = reading.total_bytes or self.config.slot_capacity_bytes
+        if capacity is None:
+            raise ArbiterError(f"slot {slot.index} has no known capacity: on CPU slots the "
+                               "budget policy needs ArbiterConfig.slot_capacity_bytes")
+        return capacity - reading.used_bytes
+
+    async def _released(self, slot: Slot, before: int, expected: int) -> int:
+        """Poll until the slot's memory fell by the expected share; returns the drop seen."""
+        deadline = time.monotonic() + self.config.release_timeout_s
+        while True:
+            drop = before - self._reading(slot).used_bytes
+            if drop >= self.config.release_fraction * expected or time.monotonic() > deadline:
+                return drop
+            await asyncio.sleep(0.002)
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def _slot(self, index: int) -> Slot:
+        if index not in self.slots:
+            raise ArbiterError(f"slot {index} is not on this host (slots: {sorted(self.slots)})")
+        return self.slots[index]
+
+    def _slots_of(self, name: str, slots: Iterable[int] | None) -> list[Slot]:
+        chosen = [self._slot(i) for i in sorted(set(slots))] if slots is not None else \
+            [s for s in self.slots.values() if name in s.tenants]
+        missing = [s.index for s in chosen if name not in s.tenants]
+        if missing or not chosen:
+            raise ArbiterError(f"tenant {name!r} is not registered on slot(s) "
+                               f"{missing or 'any'}; registered: {self.tenants()}")
+        return chosen
+
+    @asynccontextmanager
+    async def _hold(self, slots: list[Slot]) -> AsyncIterator[None]:
+        held: list[Slot] = []
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                for slot in slots:  # in slot order: no deadlock between requests
+                    await slot.lock.acquire()
+                    held.append(slot)
+        except TimeoutError:
+            for slot in held:
+                slot.lock.release()
+            raise ArbiterTimeoutError(
+                f"waited {self.config.request_timeout_s} s for slot(s) "
+                f"{[s.index for s in slots]}; busy with earlier requests. "
+                + "; ".join(s.who() for s in slots)
+            ) from None
+        try:
+            yield
+        finally:
+            for slot in held:
+                slot.lock.release()
+
+    async def _call(self, what: str, call: Awaitable[T]) -> T:
+        try:
+            async with asyncio.timeout(self.config.call_timeout_s):
+                return await call
+        except TimeoutError:
+            raise ArbiterTimeoutError(
+                f"{what} did not answer within {self.config.call_timeout_s} s") from None
+
+    async def _learn(self, slot: Slot, name: str) -> None:
+        """Ask a tenant for its real state after a failure; unknown if it cannot say."""
+        try:
+            info = await self._call(f"{name}.describe", slot.tenants[name].describe())
+        except Exception:
+            slot.unknown.add(name)
+            slot.mark(name, ("?",))
+            return
+        slot.unknown.discard(name)
+        slot.infos[name] = info
+        slot.mark(name, info.awake_stages)
+
+    def _check(self, slot: Slot) -> None:
+        awake = slot.awake_tenants()
+        if isinstance(self.policy, Exclusive) and len(awake) > 1:
+            raise ArbiterError(f"invariant broken, two tenants awake: {slot.who()}")
+
+    # -- the requests -------------------------------------------------------------------
+
+    async def register(self, index: int, handle: TenantHandle) -> TenantInfo:
+        """Add a tenant on a slot. If the policy does not allow it awake there, it sleeps;
+        if it cannot, it is not registered."""
+        slot = self._slot(index)
+        name = handle.name
+        if name in slot.tenants:
+            raise ArbiterError(f"tenant {name!r} is already registered on slot {index}")
+        async with self._hold([slot]):
+            info = await self._call(f"{name}.describe", handle.describe())
+            others = slot.awake_tenants()
+            slot.tenants[name], slot.infos[name] = handle, info
+            slot.mark(name, info.awake_stages)
+            try:
+                if info.awake_stages and others and not self._fits(slot):
+                    await self._sleep_verified(slot, name)
+                self._check(slot)
+            except BaseException as err:
+                self._forget(slot, name)
+                raise type(err)(f"{err}; {name} was not registered") from err
+            return info
+
+    def _forget(self, slot: Slot, name: str) -> None:
+        for table in (slot.tenants, slot.infos, slot.awake):
+            table.pop(name, None)
+        slot.unknown.discard(name)
+        if name in slot.woken_order:
+            slot.woken_order.remove(name)
+
+    def _fits(self, slot: Slot) -> bool:
+        if isinstance(self.policy, Exclusive):
+            return False
+        return self._free_bytes(slot) >= self.policy.headroom_bytes
+
+    def _policy_free(self, slot: Slot) -> int | None:
+        return None if isinstance(self.policy, Exclusive) else self._free_bytes(slot)
+
+    async def wake(self, name: str, slots: Iterable[int] | None = None,
+                   stages: Sequence[str] | None = None) -> None:
+        """Make `name` awake on its slots (all, or `slots`), with `stages` (default: all)."""
+        chosen = self._slots_of(name, slots)
+        async with self._hold(chosen):
+            results = await asyncio.gather(
+                *(self._wake_on(slot, name, stages) for slot in chosen), return_exceptions=True)
+        self._raise_first(results, chosen)
+
+    async def sleep(self, name: str, slots: Iterable[int] | None = None) -> None:
+        """Put `name` to sleep on its slots (all, or `slots`), verified by measurement."""
+        chosen = self._slots_of(name, slots)
+        async with self._hold(chosen):
+            results = await asyncio.gather(
+                *(self._sleep_verified(slot, name) for slot in chosen), return_exceptions=True)
+        self._raise_first(results, chosen)
+
+    def _raise_first(self, results: list, slots: list[Slot]) -> None:
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise SwitchError(f"{len(errors)} of {len(slots)} slots failed: "
+                              + " | ".join(str(e) for e in errors)) from errors[0]
+
+    async def _wake_on(self, slot: Slot, name: str, stages: Sequence[str] | None) -> None:
+        handle = slot.tenants[name]
+        info = await self._call(f"{name}.describe", handle.describe())
+        slot.infos[name] = info
+        unknown = [s for s in stages or () if s not in info.stages]
+        if unknown:
+            raise ArbiterError(f"{name} has no stage(s) {unknown}; its stages: {info.stages}")
+        todo = [s for s in (stages or info.stages) if s not in slot.awake.get(name, ())]
+        if not todo:
+            return
+        needed = info.tagged_bytes - info.resident_bytes
+        slept: list[tuple[str, tuple[str, ...]]] = []
+        try:
+            while victim := self.policy.next_victim(
+                    name, slot.awake_tenants(), needed, self._policy_free(slot)):
+                stages_before = slot.awake[victim]
+                await self._sleep_verified(slot, victim, waking=name)
+                slept.append((victim, stages_before))
+            if isinstance(self.policy, Budget):
+                self._require_room(slot, name, needed)
+        except BaseException:
+            await self._rewake(slot, slept)
+            raise
+        done = list(slot.awake.get(name, ()))
+        for stage in todo:
+            try:
+                await self._call(f"{name}.wake({stage})", handle.wake(stage))
+            except BaseException as err:
+                await self._undo_wake(slot, name, slept)
+                raise SwitchError(f"{name} failed to wake stage {stage!r}: {err}; rolled back: "
+                                  f"{slot.who()}") from err
+            done.append(stage)
+            slot.mark(name, done)
+        self._check(slot)
+
+    def _require_room(self, slot: Slot, name: str, needed: int) -> None:
+        free = self._free_bytes(slot)
+        if free < needed + self.policy.headroom_bytes:
+            raise SwitchError(f"{name} needs {needed} bytes on slot {slot.index} but only "
+                              f"{free} are free with every other tenant asleep: {slot.who()}")
+
+    async def _undo_wake(self, slot: Slot, name: str,
+                         slept: list[tuple[str, tuple[str, ...]]]) -> None:
+        """After a failed wake: put the tenant back to sleep, then wake whom it displaced."""
+        try:
+            await self._call(f"{name}.sleep", slot.tenants[name].sleep())
+            slot.mark(name, ())
+        except Exception:
+            await self._learn(slot, name)
+            return  # not known to be asleep: waking the others could break the budget
+        await self._rewake(slot, slept)
+
+    async def _rewake(self, slot: Slot, slept: list[tuple[str, tuple[str, ...]]]) -> None:
+        for victim, stages in slept:
+            try:
+                for stage in stages:
+                    await self._call(f"{victim}.wake({stage})", slot.tenants[victim].wake(stage))
+                slot.mark(victim, stages)
+            except Exception:
+                await self._learn(slot, victim)
+
+    async def _sleep_verified(self, slot: Slot, name: str, waking: str | None = None) -> None:
+        """Sleep `name` on `slot` and measure that its memory came back; else restore it."""
+        handle = slot.tenants[name]
+        if not slot.awake.get(name):
+            return
+        info = await self._call(f"{name}.describe", handle.describe())
+        slot.infos[name] = info
+        before = self._reading(slot).used_bytes
+        not_woken = f"; {waking} was not woken" if waking else ""
+        try:
+            await self._call(f"{name}.sleep", handle.sleep())
+        except BaseException as err:
+            await self._learn(slot, name)
+            raise SwitchError(f"{name} failed to sleep on slot {slot.index}: {err}; "
+                              f"{slot.who()}{not_woken}") from err
+        slot.mark(name, ())
+        slot.unknown.discard(name)
+        expected = info.resident_bytes
+        if expected < self.config.min_verified_bytes:
+            return
+        drop = await self._released(slot, before, expected)
+        if drop >= self.config.release_fraction * expected:
+            return
+        await self._rewake(slot, [(name, info.awake_stages)])
+        raise ReleaseNotVerifiedError(
+            f"{name} slept on slot {slot.index} but only {drop / 2**20:.1f} of its "
+            f"{expected / 2**20:.1f} MiB came back within {self.config.release_timeout_s} s "
+            f"(memory held outside its tags?); it was woken again: {slot.who()}{not_woken}")
+
+    # -- queries -----------------------------------------------------------------------
+
+    def tenants(self) -> dict[str, list[int]]:
+        found: dict[str, list[int]] = {}
+        for slot in self.slots.values():
+            for name in slot.tenants:
+                found.setdefault(name, []).append(slot.index)
+        return found
+
+    def status(self) -> dict[int, dict[str, list[str] | None]]:
+        """Per slot: tenant -> its awake stages ([] asleep; None when unknown)."""
+        return {
+            slot.index: {name: None if name in slot.unknown else list(slot.awake.get(name, ()))
+                         for name in slot.tenants}
+            for slot in self.slots.values()
+        }
+
+    def describe(self) -> str:
+        return "; ".join(slot.who() for slot in self.slots.values())

@@ -1,0 +1,102 @@
+"""The tenant protocol: what the arbiter asks of a colocated actor on one slot.
+
+A tenant sleeps (releases its memory), wakes stage by stage (e.g. "weights" then
+"kv_cache"), and describes itself (process, device, bytes per stage). `TaggedTenant` is the
+default: each stage is a `colocate.memory` tag of the tenant's process. Engines with their
+own sleep (vLLM) implement the same three calls.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from colocate import memory, telemetry
+
+
+@dataclass(frozen=True)
+class TenantInfo:
+    """A tenant's own account of itself on one slot."""
+
+    pid: int
+    device: str  # "cpu", or the GPU's UUID
+    stages: tuple[str, ...]  # wake order
+    awake_stages: tuple[str, ...]
+    resident_bytes: int  # held now
+    tagged_bytes: int  # held when fully awake
+
+
+class TenantHandle(Protocol):
+    """How the arbiter reaches one tenant on one slot (an actor slice, a pipe, an object)."""
+
+    name: str
+
+    async def sleep(self) -> None: ...
+    async def wake(self, stage: str) -> None: ...
+    async def describe(self) -> TenantInfo: ...
+
+
+@dataclass
+class TaggedTenant:
+    """The default tenant behaviour: stage -> memory tag of this process.
+
+    `stages` maps each stage to its tag, in wake order; `backup` says per stage whether its
+    contents survive a sleep (weights: yes; caches: no).
+    """
+
+    stages: Mapping[str, str]
+    backup: Mapping[str, bool] = field(default_factory=dict)
+
+    def region(self, stage: str, device: str | torch.device | None = None):
+        """Allocate the stage's memory inside this block."""
+        return memory.region(self.stages[stage], backup=self.backup.get(stage, True),
+                             device=device)
+
+    def adopt(self, obj: object, stage: str) -> int:
+        return memory.adopt(obj, self.stages[stage], backup=self.backup.get(stage, True))
+
+    def _known(self) -> list[str]:
+        known = set(memory.tags())
+        return [stage for stage, tag in self.stages.items() if tag in known]
+
+    def sleep(self) -> None:
+        """Pause every awake stage, caches first."""
+        for stage in reversed(self._known()):
+            if memory.state(self.stages[stage]) is memory.TagState.ACTIVE:
+                memory.pause(self.stages[stage])
+
+    def wake(self, stage: str) -> None:
+        if stage not in self.stages:
+            raise KeyError(f"unknown stage {stage!r}; stages are {list(self.stages)}")
+        tag = self.stages[stage]
+        if tag in memory.tags() and memory.state(tag) is memory.TagState.PAUSED:
+            memory.resume(tag)
+
+    def ensure_awake(self) -> None:
+        """Raise `TagPausedError` unless every stage is awake: call before computing."""
+        for stage in self._known():
+            memory.ensure_active(self.stages[stage])
+
+    def describe(self) -> TenantInfo:
+        known = self._known()
+        awake = tuple(s for s in known
+                      if memory.state(self.stages[s]) is memory.TagState.ACTIVE)
+        awake += tuple(s for s in self.stages if s not in known)  # no memory yet: nothing asleep
+        return TenantInfo(
+            pid=os.getpid(),
+            device=_device(),
+            stages=tuple(self.stages),
+            awake_stages=tuple(s for s in self.stages if s in awake),
+            resident_bytes=sum(memory.resident_bytes(self.stages[s]) for s in known),
+            tagged_bytes=sum(memory.tagged_bytes(self.stages[s]) for s in known),
+        )
+
+
+def _device() -> str:
+    if torch.cuda.is_available():
+        return telemetry.device_uuid(torch.cuda.current_device())
+    return "cpu"

@@ -1,0 +1,304 @@
+"""The arbiter's logic with real tenants (real memory tags) in one plain process.
+
+Each scenario runs in a fresh process: its RSS is the slot's measured memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+
+import pytest
+import torch
+
+from colocate import memory
+from colocate.arbiter import (
+    ArbiterConfig,
+    ArbiterError,
+    ReleaseNotVerifiedError,
+    SlotArbiter,
+    SwitchError,
+    TaggedTenant,
+)
+from colocate.arbiter.local import LocalTenantHandle
+
+MiB = 1 << 20
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def make_tenant(name: str, mib: int, seed: int, cache_mib: int = 0, backup: bool = True):
+    stages = {"weights": f"{name}/weights"}
+    if cache_mib:
+        stages["kv_cache"] = f"{name}/kv_cache"
+    tenant = TaggedTenant(stages, backup={"weights": backup, "kv_cache": False})
+    g = torch.Generator().manual_seed(seed)
+    with tenant.region("weights", device="cpu"):
+        weights = torch.randint(0, 2**31, (mib * MiB // 4,), dtype=torch.int32, generator=g)
+    cache = None
+    if cache_mib:
+        with tenant.region("kv_cache", device="cpu"):
+            cache = torch.ones(cache_mib * MiB // 4)
+    return tenant, weights, cache
+
+
+def switch_scenario() -> dict:
+    async def run():
+        arbiter = SlotArbiter([0])
+        a, a_weights, _ = make_tenant("a", 128, seed=1)
+        b, b_weights, _ = make_tenant("b", 128, seed=2)
+        a_digest, b_digest = _digest(a_weights), _digest(b_weights)
+        await arbiter.register(0, LocalTenantHandle("a", a))
+        await arbiter.register(0, LocalTenantHandle("b", b))  # b is put to sleep
+        out = {"after_register": arbiter.status()[0], "a_bytes": memory.resident_bytes("a/weights")}
+        await arbiter.wake("b")
+        out["a_resident_after_wake_b"] = memory.resident_bytes("a/weights")
+        out["b_identical"] = _digest(b_weights) == b_digest
+        out["status"] = arbiter.status()[0]
+        await arbiter.wake("a")
+        out["a_identical"] = _digest(a_weights) == a_digest
+        return out
+
+    return asyncio.run(run())
+
+
+def test_wake_sleeps_the_other_and_keeps_contents(isolated):
+    out = isolated(switch_scenario)
+    assert out["after_register"] == {"a": ["weights"], "b": []}
+    assert out["a_bytes"] == 128 * MiB
+    assert out["a_resident_after_wake_b"] == 0
+    assert out["b_identical"]
+    assert out["status"] == {"a": [], "b": ["weights"]}
+    assert out["a_identical"]
+
+
+def alternation_scenario(rounds: int) -> dict:
+    async def run():
+        import psutil
+
+        arbiter = SlotArbiter([0])
+        a, a_weights, _ = make_tenant("a", 32, seed=1)
+        b, _b_weights, b_cache = make_tenant("b", 32, seed=2, cache_mib=32)
+        await arbiter.register(0, LocalTenantHandle("a", a))
+        await arbiter.register(0, LocalTenantHandle("b", b))
+        digests = (_digest(a_weights),)
+        rss = []
+        for _ in range(rounds):
+            await arbiter.wake("b")
+            b_cache.fill_(2)  # the generator uses its cache while awake
+            await arbiter.wake("a")
+            rss.append(psutil.Process().memory_info().rss)
+        return {"first": rss[0], "last": rss[-1], "a_identical": (_digest(a_weights),) == digests}
+
+    return asyncio.run(run())
+
+
+def test_two_hundred_alternations_do_not_drift(isolated):
+    out = isolated(alternation_scenario, 200)
+    assert out["a_identical"]
+    assert abs(out["last"] - out["first"]) < 0.02 * out["first"], out
+
+
+def concurrent_scenario(requests: int) -> dict:
+    async def run():
+        arbiter = SlotArbiter([0])
+        made = {n: make_tenant(n, 8, seed=i) for i, n in enumerate("abc")}  # keeps tensors
+        tenants = {n: m[0] for n, m in made.items()}
+        for name, tenant in tenants.items():
+            await arbiter.register(0, LocalTenantHandle(name, tenant))
+        violations, samples = [], 0
+        done = asyncio.Event()
+
+        async def watch():
+            nonlocal samples
+            while not done.is_set():
+                awake_by_arbiter = [n for n, s in arbiter.status()[0].items() if s]
+                awake_by_memory = [n for n in tenants
+                                   if memory.state(f"{n}/weights") is memory.TagState.ACTIVE]
+                if len(awake_by_arbiter) > 1 or len(awake_by_memory) > 1:
+                    violations.append((awake_by_arbiter, awake_by_memory))
+                samples += 1
+                await asyncio.sleep(0)
+
+        async def client(seed: int):
+            rng = random.Random(seed)
+            for _ in range(requests):
+                await arbiter.wake(rng.choice("abc"))
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.gather(*(client(s) for s in range(4)))
+        done.set()
+        await watcher
+        return {"violations": violations, "samples": samples, "final": arbiter.status()[0]}
+
+    return asyncio.run(run())
+
+
+def test_concurrent_conflicting_wakes_never_leave_two_awake(isolated):
+    out = isolated(concurrent_scenario, 50)
+    assert out["violations"] == []
+    assert out["samples"] > 100
+    assert sum(1 for stages in out["final"].values() if stages) == 1
+
+
+def failing_sleep_scenario() -> dict:
+    # A real fault: the backup directory is gone, so the weights tenant cannot save itself.
+    async def run():
+        arbiter = SlotArbiter([0])
+        trainer, weights, _ = make_tenant("trainer", 16, seed=1)
+        # the generator needs no backup file, so it can sleep
+        generator, generator_weights, _ = make_tenant("generator", 16, seed=2, backup=False)
+        await arbiter.register(0, LocalTenantHandle("trainer", trainer))
+        await arbiter.register(0, LocalTenantHandle("generator", generator))
+        digest = _digest(weights)
+        out = {}
+        try:
+            await arbiter.wake("generator")
+        except SwitchError as err:
+            out["error"] = str(err)
+        out["status"] = arbiter.status()[0]
+        out["trainer_intact"] = _digest(weights) == digest
+        out["generator_state"] = memory.state("generator/weights").value
+        return out
+
+    os.environ["COLOCATE_BACKUP_DIR"] = "/nonexistent/colocate-backup"
+    return asyncio.run(run())
+
+
+def test_a_tenant_whose_sleep_fails_leaves_a_consistent_reported_state(isolated):
+    out = isolated(failing_sleep_scenario)
+    assert "trainer failed to sleep" in out["error"]
+    assert "trainer awake (weights)" in out["error"] and "generator was not woken" in out["error"]
+    assert out["status"] == {"trainer": ["weights"], "generator": []}
+    assert out["trainer_intact"]
+    assert out["generator_state"] == "paused"
+
+
+class LyingHandle(LocalTenantHandle):
+    """A buggy tenant: says it sleeps, keeps its memory (a fault we inject on purpose)."""
+
+    async def sleep(self) -> None:
+        return None
+
+
+class FailingWakeHandle(LocalTenantHandle):
+    """A tenant whose cache stage cannot come back (e.g. out of memory)."""
+
+    async def wake(self, stage: str) -> None:
+        if stage == "kv_cache":
+            raise MemoryError("no room for the KV cache")
+        await super().wake(stage)
+
+
+def faults_scenario() -> dict:
+    async def run():
+        out = {}
+        arbiter = SlotArbiter([0], ArbiterConfig(release_timeout_s=0.2))
+        liar, liar_weights, _ = make_tenant("liar", 64, seed=1)
+        other, other_weights, _ = make_tenant("other", 8, seed=2)
+        await arbiter.register(0, LocalTenantHandle("other", other))
+        try:  # liar must sleep to join an awake slot, and does not
+            await arbiter.register(0, LyingHandle("liar", liar))
+        except ReleaseNotVerifiedError as err:
+            out["register_error"] = str(err)
+        out["after_register_error"] = arbiter.status()[0]
+
+        arbiter = SlotArbiter([0], ArbiterConfig(release_timeout_s=0.2))
+        await arbiter.register(0, LyingHandle("liar", liar))
+        await arbiter.register(0, LocalTenantHandle("other", other))  # other sleeps fine
+        try:
+            await arbiter.wake("other")  # liar's sleep releases nothing
+        except ReleaseNotVerifiedError as err:
+            out["release_error"] = str(err)
+        out["after_release_error"] = arbiter.status()[0]
+
+        arbiter = SlotArbiter([0])
+        gen, gen_weights, gen_cache = make_tenant("gen", 8, seed=3, cache_mib=8)
+        trainer, trainer_weights, _ = make_tenant("trainer", 8, seed=4)
+        digest = _digest(trainer_weights)
+        await arbiter.register(0, LocalTenantHandle("trainer", trainer))
+        await arbiter.register(0, FailingWakeHandle("gen", gen))
+        try:
+            await arbiter.wake("gen")
+        except SwitchError as err:
+            out["wake_error"] = str(err)
+        out["after_wake_error"] = arbiter.status()[0]
+        out["trainer_intact"] = _digest(trainer_weights) == digest
+        await arbiter.wake("gen", stages=["weights"])  # a staged wake needs no cache
+        out["staged"] = arbiter.status()[0]
+        out["gen_cache_state"] = memory.state("gen/kv_cache").value
+        try:
+            await arbiter.wake("gen", stages=["optimizer"])
+        except ArbiterError as err:
+            out["stage_error"] = str(err)
+        try:
+            await arbiter.wake("nobody")
+        except ArbiterError as err:
+            out["unknown_error"] = str(err)
+        return out
+
+    return asyncio.run(run())
+
+
+def test_faults_roll_back_and_say_who_is_awake(isolated):
+    out = isolated(faults_scenario)
+    assert "liar slept on slot 0 but only" in out["register_error"]
+    assert "not registered" in out["register_error"]
+    assert out["after_register_error"] == {"other": ["weights"]}
+    assert "liar slept on slot 0 but only" in out["release_error"]
+    assert "it was woken again" in out["release_error"]
+    assert "other was not woken" in out["release_error"]
+    assert out["after_release_error"] == {"liar": ["weights"], "other": []}
+    assert "gen failed to wake stage 'kv_cache'" in out["wake_error"]
+    assert out["after_wake_error"] == {"trainer": ["weights"], "gen": []}
+    assert out["trainer_intact"]
+    assert out["staged"] == {"trainer": [], "gen": ["weights"]}
+    assert out["gen_cache_state"] == "paused"
+    assert "no stage(s) ['optimizer']" in out["stage_error"]
+    assert "'nobody' is not registered" in out["unknown_error"]
+
+
+def budget_scenario() -> dict:
+    async def run():
+        import psutil
+
+        made = {"small_a": make_tenant("small_a", 32, seed=1),
+                "small_b": make_tenant("small_b", 32, seed=2),
+                "big": make_tenant("big", 64, seed=3)}  # keeps the tensors alive
+        for tenant, _, _ in made.values():
+            tenant.sleep()
+        base = psutil.Process().memory_info().rss  # everyone asleep
+        config = ArbiterConfig(policy="budget", slot_capacity_bytes=base + 110 * MiB)
+        arbiter = SlotArbiter([0], config)
+        for name, (tenant, _, _) in made.items():
+            await arbiter.register(0, LocalTenantHandle(name, tenant))
+        out = {"registered": arbiter.status()[0]}
+        await arbiter.wake("small_a")
+        await arbiter.wake("small_b")
+        out["two_small"] = arbiter.status()[0]
+        await arbiter.wake("big")  # needs the least recently woken small one to sleep
+        out["big"] = arbiter.status()[0]
+        return out
+
+    return asyncio.run(run())
+
+
+def test_budget_policy_keeps_several_awake_while_memory_allows(isolated):
+    out = isolated(budget_scenario)
+    assert out["registered"] == {"small_a": [], "small_b": [], "big": []}
+    assert out["two_small"] == {"small_a": ["weights"], "small_b": ["weights"], "big": []}
+    # 110 MiB: big (64) fits beside one small (32); the least recently woken one sleeps
+    assert out["big"] == {"small_a": [], "small_b": ["weights"], "big": ["weights"]}
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="policy"):
+        ArbiterConfig(policy="fifo")
+    with pytest.raises(ValueError, match="release_fraction"):
+        ArbiterConfig(release_fraction=0)
+    with pytest.raises(ValueError, match="call_timeout_s"):
+        ArbiterConfig(call_timeout_s=0)
