@@ -1,0 +1,93 @@
+"""The arbiter on Monarch: the per-host `Arbiter` actor and the `TenantActor` base class.
+
+A `TenantActor` is a colocated actor (trainer, generator...) whose memory lives under
+`colocate.memory` tags, one per stage; the arbiter reaches it through its own mailbox, so
+a sleep is ordered after the tenant's in-flight work. Tenant endpoints are sync, so a
+subclass's endpoints must be sync too (Monarch does not mix the two in one class).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from monarch.actor import Actor, concurrent_endpoint, current_actor_name, endpoint
+
+from colocate.arbiter.core import ArbiterConfig, SlotArbiter
+from colocate.arbiter.tenant import TaggedTenant, TenantInfo
+
+
+class TenantActor(Actor):
+    """Base class of actors that time-share their slots.
+
+    `stages` maps each stage, in wake order, to whether its contents survive a sleep
+    (weights: True; caches: False). Allocate a stage's memory inside
+    `with self.tenancy.region(stage):`, or hand existing tensors to `self.tenancy.adopt`.
+    Call `self.tenancy.ensure_awake()` before computing.
+    """
+
+    stages: ClassVar[dict[str, bool]] = {"state": True}
+
+    @property
+    def tenancy(self) -> TaggedTenant:
+        if "_tenancy" not in self.__dict__:
+            prefix = current_actor_name()
+            self._tenancy = TaggedTenant({s: f"{prefix}/{s}" for s in self.stages},
+                                         backup=dict(self.stages))
+        return self._tenancy
+
+    @endpoint
+    def sleep(self) -> None:
+        self.tenancy.sleep()
+
+    @endpoint
+    def wake(self, stage: str) -> None:
+        self.tenancy.wake(stage)
+
+    @endpoint
+    def describe(self) -> TenantInfo:
+        return self.tenancy.describe()
+
+
+@dataclass
+class ActorTenantHandle:
+    """Reaches one tenant actor on one proc (a one-proc slice of its actor mesh)."""
+
+    name: str
+    actor: Any
+
+    async def sleep(self) -> None:
+        await self.actor.sleep.call_one()
+
+    async def wake(self, stage: str) -> None:
+        await self.actor.wake.call_one(stage)
+
+    async def describe(self) -> TenantInfo:
+        return await self.actor.describe.call_one()
+
+
+class Arbiter(Actor):
+    """One per host: the `SlotArbiter` of that host's slots, reached by message.
+
+    Endpoints run concurrently; the per-slot locks inside serialize what conflicts.
+    """
+
+    def __init__(self, slots: list[int], config: ArbiterConfig | None = None) -> None:
+        self.core = SlotArbiter(slots, config)
+
+    @concurrent_endpoint
+    async def register(self, slot: int, name: str, actor: Any) -> TenantInfo:
+        return await self.core.register(slot, ActorTenantHandle(name, actor))
+
+    @concurrent_endpoint
+    async def wake(self, name: str, slots: list[int] | None = None,
+                   stages: list[str] | None = None) -> None:
+        await self.core.wake(name, slots, stages)
+
+    @concurrent_endpoint
+    async def sleep(self, name: str, slots: list[int] | None = None) -> None:
+        await self.core.sleep(name, slots)
+
+    @concurrent_endpoint
+    async def status(self) -> dict[int, dict[str, list[str] | None]]:
+        return self.core.status()

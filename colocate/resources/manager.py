@@ -1,0 +1,287 @@
+"""The ResourceManager: hosts, resource groups on shared procs, and the per-host arbiters.
+
+    rm = await init(scheduler="processes", hosts=2, gpus_per_host=2)
+    alloc = await rm.allocate(ResourceRequest("rl", hosts=2, procs_per_host=2), owner="trainer")
+    trainer = await rm.spawn("trainer", Trainer, alloc)           # a TenantActor: registered
+    generator = await rm.spawn("generator", Generator,
+                               await rm.allocate(ResourceRequest("rl", 2, 2), owner="gen"))
+    await rm.wake("generator")     # the trainer sleeps on every slot first, verified
+
+A resource group is placed once (first-fit GPUs, `packing`) and gets one Monarch proc per
+GPU, its CUDA_VISIBLE_DEVICES set at bootstrap, before CUDA starts. Every allocation in
+the group is a slice of those procs, so the services of a group share processes, CUDA
+contexts and torch_memory_saver. Each host runs one `Arbiter` on a proc of its own.
+Without GPUs, `gpus_per_host` virtual slots (plain CPU procs) stand in for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
+from monarch.actor import Actor, default_bootstrap_cmd, endpoint
+
+from colocate.arbiter.actor import Arbiter, TenantActor
+from colocate.arbiter.core import ArbiterConfig
+from colocate.arbiter.errors import ArbiterError
+from colocate.resources.hosts import HostJob, start_hosts
+from colocate.resources.hosts import gpus_per_host as detect_gpus
+from colocate.resources.packing import Inventory, Placement, ResourceError, ResourceRequest
+
+logger = logging.getLogger(__name__)
+
+SLOT_ENV = "COLOCATE_SLOT"
+
+
+def select(mesh: Any, **ranges: int | slice) -> Any:
+    """`mesh.slice(**ranges)`, skipping dims the mesh does not have (this_host() has no
+    "hosts" dim: its one host is always index 0)."""
+    present = {dim: r for dim, r in ranges.items() if dim in mesh.extent.labels}
+    return mesh.slice(**present) if present else mesh
+
+
+class ProcProbe(Actor):
+    """Tells what a proc is: its pid and the slot environment it was started with."""
+
+    @endpoint
+    def info(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "slot": os.environ.get(SLOT_ENV),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Procs of a resource group given to one owner (a service replica, a tenant).
+
+    `slots` lists (host, slot) per proc in mesh order; `procs` is the Monarch proc mesh
+    slice with dims (hosts, gpus).
+    """
+
+    group: str
+    owner: str
+    procs: Any
+    slots: tuple[tuple[int, int], ...]
+    hosts: int
+    procs_per_host: int
+
+
+@dataclass
+class Group:
+    placement: Placement
+    procs: Any  # ProcMesh with dims (hosts, gpus)
+    pids: list[int]
+    used: dict[str, set[tuple[int, int]]] = field(default_factory=dict)  # owner -> (h, g)
+
+    def slot(self, host: int, proc: int) -> tuple[int, int]:
+        """The (host, slot) of the group's proc at local coordinates (host, proc)."""
+        gpus = self.placement.gpus[host]
+        return self.placement.hosts[host], gpus[proc] if gpus else proc
+
+
+class ResourceManager:
+    """Owns the hosts, the groups' procs, the arbiters, and the tenants registered on them."""
+
+    def __init__(self, job: HostJob, gpus_per_host: int, virtual: bool,
+                 arbiter_config: ArbiterConfig) -> None:
+        self.job = job
+        self.virtual = virtual
+        self.inventory = Inventory(job.num_hosts, gpus_per_host)
+        self.groups: dict[str, Group] = {}
+        self.tenants: dict[str, list[tuple[int, int]]] = {}  # name -> (host, slot)
+        self.arbiter_config = arbiter_config
+        self._arbiter_procs: Any = None
+        self.arbiters: Any = None
+
+    async def _start_arbiters(self) -> None:
+        self._arbiter_procs = self.job.mesh.spawn_procs(per_host={"procs": 1})
+        slots = list(range(self.inventory.gpus_per_host))
+        self.arbiters = self._arbiter_procs.spawn("arbiter", Arbiter, slots,
+                                                  self.arbiter_config)
+        await self.arbiters.status.call()
+
+    def arbiter(self, host: int) -> Any:
+        return select(self.arbiters, hosts=host)
+
+    # -- groups and allocations ---------------------------------------------------------
+
+    async def reserve(self, request: ResourceRequest) -> Group:
+        """Place the group and start its procs: one per GPU (or virtual slot)."""
+        placement = self.inventory.place(request)
+        try:
+            procs = self._spawn_group_procs(placement)
+            info = await procs.spawn("probe", ProcProbe).info.call()
+        except BaseException:
+            self.inventory.release(request.resource_group)
+            raise
+        group = Group(placement, procs, [value["pid"] for _, value in info.items()])
+        self.groups[request.resource_group] = group
+        logger.info("resource group %r on hosts %s, gpus %s", request.resource_group,
+                    placement.hosts, placement.gpus)
+        return group
+
+    def _spawn_group_procs(self, placement: Placement) -> Any:
+        first, count = placement.hosts[0], len(placement.hosts)
+        hosts = select(self.job.mesh, hosts=slice(first, first + count))
+        virtual = self.virtual or not placement.with_gpus
+
+        def bootstrap(point: Any) -> BootstrapCommand:
+            coords = dict(point)
+            host, proc = coords.get("hosts", 0), coords["gpus"]
+            gpus = placement.gpus[host]
+            env = {SLOT_ENV: str(gpus[proc] if gpus else proc)}
+            if not virtual:
+                env["CUDA_VISIBLE_DEVICES"] = str(gpus[proc])
+            base = default_bootstrap_cmd()
+            return BootstrapCommand(base.program, base.arg0, base.args,
+                                    {**(base.env or {}), **env})
+
+        return hosts.spawn_procs(per_host={"gpus": placement.procs_per_host},
+                                 bootstrap_command=bootstrap)
+
+    async def allocate(self, request: ResourceRequest, owner: str) -> Allocation:
+        """A slice of the group's procs for `owner`, first fit among the procs that `owner`
+        does not use yet. The group is reserved with the request's shape if it is new."""
+        group = self.groups.get(request.resource_group) or await self.reserve(request)
+        shape = group.placement
+        if request.hosts > len(shape.hosts) or request.procs_per_host > shape.procs_per_host:
+            raise ResourceError(
+                f"resource group {request.resource_group!r} has {len(shape.hosts)} host(s) x "
+                f"{shape.procs_per_host} procs; {owner!r} asks for {request.hosts} x "
+                f"{request.procs_per_host}. Reserve the group larger first "
+                "(rm.reserve(ResourceRequest(...)) with the largest shape).")
+        used = group.used.setdefault(owner, set())
+        for h0 in range(len(shape.hosts) - request.hosts + 1):
+            for p0 in range(shape.procs_per_host - request.procs_per_host + 1):
+                cells = {(h, p) for h in range(h0, h0 + request.hosts)
+                         for p in range(p0, p0 + request.procs_per_host)}
+                if cells & used:
+                    continue
+                used |= cells
+                procs = select(group.procs, hosts=slice(h0, h0 + request.hosts),
+                               gpus=slice(p0, p0 + request.procs_per_host))
+                slots = tuple(group.slot(h, p) for h, p in sorted(cells))
+                return Allocation(request.resource_group, owner, procs, slots,
+                                  request.hosts, request.procs_per_host)
+        raise ResourceError(
+            f"{owner!r} already uses every proc of resource group {request.resource_group!r} "
+            f"that a {request.hosts} x {request.procs_per_host} slice could take; release one "
+            "of its allocations or reserve a larger group.")
+
+    def free(self, allocation: Allocation) -> None:
+        """Give an allocation's procs back to its owner's pool (the group keeps them)."""
+        group = self.groups[allocation.group]
+        cells = {(h, p) for h in range(len(group.placement.hosts))
+                 for p in range(group.placement.procs_per_host)
+                 if group.slot(h, p) in allocation.slots}
+        group.used.get(allocation.owner, set()).difference_update(cells)
+
+    # -- tenants ---------------------------------------------------------------------
+
+    async def spawn(self, name: str, actor_class: type[Actor], allocation: Allocation,
+                    *args: Any, **kwargs: Any) -> Any:
+        """Spawn `actor_class` on the allocation's procs. A `TenantActor` is registered with
+        its hosts' arbiters (and put to sleep where another tenant is awake)."""
+        if name in self.tenants:
+            raise ArbiterError(f"a tenant named {name!r} already exists; names are unique")
+        actors = allocation.procs.spawn(name, actor_class, *args, **kwargs)
+        if not issubclass(actor_class, TenantActor):
+            return actors
+        self.tenants[name] = list(allocation.slots)
+        per_host = allocation.procs_per_host
+        await asyncio.gather(*(
+            self.arbiter(host).register.call_one(
+                slot, name, select(actors, hosts=i // per_host, gpus=i % per_host))
+            for i, (host, slot) in enumerate(allocation.slots)))
+        return actors
+
+    def _by_host(self, name: str) -> dict[int, list[int]]:
+        if name not in self.tenants:
+            raise ArbiterError(f"unknown tenant {name!r}; tenants: {sorted(self.tenants)}")
+        by_host: dict[int, list[int]] = {}
+        for host, slot in self.tenants[name]:
+            by_host.setdefault(host, []).append(slot)
+        return by_host
+
+    async def wake(self, name: str, stages: list[str] | None = None) -> None:
+        """Make `name` awake on all its slots; its hosts switch in parallel."""
+        await asyncio.gather(*(self.arbiter(h).wake.call_one(name, slots, stages)
+                               for h, slots in self._by_host(name).items()))
+
+    async def sleep(self, name: str) -> None:
+        await asyncio.gather(*(self.arbiter(h).sleep.call_one(name, slots)
+                               for h, slots in self._by_host(name).items()))
+
+    async def status(self) -> dict[int, dict[int, dict[str, list[str] | None]]]:
+        """host -> slot -> tenant -> awake stages ([] asleep, None unknown)."""
+        found = await self.arbiters.status.call()
+        return {point["hosts"] if "hosts" in dict(point) else 0: value
+                for point, value in found.items()}
+
+    # -- teardown --------------------------------------------------------------------
+
+    async def release(self, group: str, grace_s: float = 5.0) -> None:
+        """Stop the group's procs and give its GPUs back."""
+        found = self.groups.pop(group, None)
+        if found is None:
+            raise ResourceError(f"unknown resource group {group!r}; groups: {sorted(self.groups)}")
+        self.tenants = {n: s for n, s in self.tenants.items()
+                        if not any((h, sl) in self._group_slots(found) for h, sl in s)}
+        await _stop(found.procs, found.pids, grace_s)
+        self.inventory.release(group)
+
+    def _group_slots(self, group: Group) -> set[tuple[int, int]]:
+        return {group.slot(h, p) for h in range(len(group.placement.hosts))
+                for p in range(group.placement.procs_per_host)}
+
+    async def shutdown(self, grace_s: float = 5.0) -> None:
+        """Stop every group, the arbiters and the hosts: gracefully, then by force."""
+        for group in list(self.groups):
+            await self.release(group, grace_s)
+        if self._arbiter_procs is not None:
+            await _stop(self._arbiter_procs, [], grace_s)
+            self._arbiter_procs = None
+        self.job.stop(grace_s)
+
+
+async def _stop(procs: Any, pids: list[int], grace_s: float) -> None:
+    """Stop a proc mesh within `grace_s`, then kill what is left of it on this machine."""
+    try:
+        await asyncio.wait_for(procs.stop(), grace_s)
+    except Exception as err:  # a timeout, or procs that already died
+        logger.warning("procs did not stop within %s s (%s); killing %s", grace_s, err, pids)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+async def init(scheduler: Any = "local", hosts: int = 1, gpus_per_host: int | None = None,
+               arbiter: ArbiterConfig | None = None, **options: Any) -> ResourceManager:
+    """Start the hosts and their arbiters and return the ResourceManager.
+
+    `gpus_per_host` defaults to the GPUs NVML sees; on a machine without GPUs give it to get
+    that many virtual slots (CPU procs).
+    """
+    found = detect_gpus()
+    if gpus_per_host is None:
+        if found == 0:
+            raise ResourceError("no GPU found on this host: pass gpus_per_host=N to run with N "
+                                "virtual GPU slots (CPU procs)")
+        gpus_per_host = found
+    if found and gpus_per_host > found:
+        raise ResourceError(f"gpus_per_host={gpus_per_host}, but this host has {found} GPUs")
+    job = await asyncio.to_thread(start_hosts, scheduler, hosts, **options)
+    rm = ResourceManager(job, gpus_per_host, virtual=found == 0,
+                         arbiter_config=arbiter or ArbiterConfig())
+    try:
+        await rm._start_arbiters()
+    except BaseException:
+        job.stop()
+        raise
+    return rm

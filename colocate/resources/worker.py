@@ -1,0 +1,68 @@
+"""Entry point of one Monarch host started through torchx (see `colocate.resources.hosts`).
+
+    python -m colocate.resources.worker [--host H] [--port-base P] [--replica-id R]
+                                        [--parent-pid PID]
+
+It serves `tcp://H:(P + R)` with `monarch.actor.run_worker_loop_forever` until the client's
+HostMesh shuts it down (or it is killed). H defaults to this machine's FQDN, as Monarch's own
+`serve()` does; `--host 127.0.0.1 --replica-id ${replica_id}` gives each of several local
+replicas its own loopback port. When the launcher sets MONARCH_SERVICE_PROC_IDS and
+MONARCH_SERVICE_PROC_RANK, the address carries this host's service identity
+(`<proc-id>@tcp://...`), the form Monarch's Slurm/Kubernetes/SPMD launchers use.
+With `--parent-pid`, the worker exits when that process is gone (local runs: no orphans if
+the client dies without stopping its hosts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import threading
+import time
+
+DEFAULT_PORT = 26600  # the port Monarch's serve() gives cluster workers
+
+
+def worker_address(host: str, port: int) -> str:
+    """The address a worker serves on, with its service identity when the launcher gave one."""
+    from monarch.job import SERVICE_PROC_IDS_ENV, ranked_service_proc_id_from_env, service_proc_addr
+
+    proc_id = ranked_service_proc_id_from_env() if SERVICE_PROC_IDS_ENV in os.environ else None
+    return service_proc_addr(f"tcp://{host}:{port}", proc_id)
+
+
+def _exit_with(parent_pid: int, poll_s: float = 0.5) -> None:
+    def watch() -> None:
+        while True:
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                os._exit(0)
+            except PermissionError:
+                pass  # alive, owned by someone else
+            time.sleep(poll_s)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default=None, help="address to serve on (default: FQDN)")
+    parser.add_argument("--port-base", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--replica-id", type=int, default=0, help="added to --port-base")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when it is gone")
+    args = parser.parse_args(argv)
+
+    address = worker_address(args.host or socket.getfqdn(), args.port_base + args.replica_id)
+    if args.parent_pid is not None:
+        _exit_with(args.parent_pid)
+    print(f"colocate worker pid {os.getpid()} serving on {address}", flush=True)
+
+    from monarch.actor import run_worker_loop_forever
+
+    run_worker_loop_forever(ca="trust_all_connections", address=address)
+
+
+if __name__ == "__main__":
+    main()
