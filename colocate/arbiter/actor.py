@@ -8,10 +8,12 @@ subclass's endpoints must be sync too (Monarch does not mix the two in one class
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from monarch.actor import Actor, concurrent_endpoint, current_actor_name, endpoint
+from monarch.actor import Actor, ActorError, concurrent_endpoint, current_actor_name, endpoint
 
 from colocate.arbiter.core import ArbiterConfig, SlotArbiter
 from colocate.arbiter.tenant import TaggedTenant, TenantInfo
@@ -49,6 +51,16 @@ class TenantActor(Actor):
         return self.tenancy.describe()
 
 
+@asynccontextmanager
+async def remote_errors() -> AsyncIterator[None]:
+    """Raise the exception a remote actor raised, not Monarch's wrapper around it (whose
+    message carries the remote traceback)."""
+    try:
+        yield
+    except ActorError as err:
+        raise err.exception from None
+
+
 @dataclass
 class ActorTenantHandle:
     """Reaches one tenant actor on one proc (a one-proc slice of its actor mesh)."""
@@ -57,13 +69,16 @@ class ActorTenantHandle:
     actor: Any
 
     async def sleep(self) -> None:
-        await self.actor.sleep.call_one()
+        async with remote_errors():
+            await self.actor.sleep.call_one()
 
     async def wake(self, stage: str) -> None:
-        await self.actor.wake.call_one(stage)
+        async with remote_errors():
+            await self.actor.wake.call_one(stage)
 
     async def describe(self) -> TenantInfo:
-        return await self.actor.describe.call_one()
+        async with remote_errors():
+            return await self.actor.describe.call_one()
 
 
 class Arbiter(Actor):

@@ -26,7 +26,7 @@ from typing import Any
 from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
 from monarch.actor import Actor, default_bootstrap_cmd, endpoint
 
-from colocate.arbiter.actor import Arbiter, TenantActor
+from colocate.arbiter.actor import Arbiter, TenantActor, remote_errors
 from colocate.arbiter.core import ArbiterConfig
 from colocate.arbiter.errors import ArbiterError
 from colocate.resources.hosts import HostJob, start_hosts
@@ -193,10 +193,11 @@ class ResourceManager:
             return actors
         self.tenants[name] = list(allocation.slots)
         per_host = allocation.procs_per_host
-        await asyncio.gather(*(
-            self.arbiter(host).register.call_one(
-                slot, name, select(actors, hosts=i // per_host, gpus=i % per_host))
-            for i, (host, slot) in enumerate(allocation.slots)))
+        async with remote_errors():
+            await asyncio.gather(*(
+                self.arbiter(host).register.call_one(
+                    slot, name, select(actors, hosts=i // per_host, gpus=i % per_host))
+                for i, (host, slot) in enumerate(allocation.slots)))
         return actors
 
     def _by_host(self, name: str) -> dict[int, list[int]]:
@@ -209,12 +210,15 @@ class ResourceManager:
 
     async def wake(self, name: str, stages: list[str] | None = None) -> None:
         """Make `name` awake on all its slots; its hosts switch in parallel."""
-        await asyncio.gather(*(self.arbiter(h).wake.call_one(name, slots, stages)
-                               for h, slots in self._by_host(name).items()))
+        async with remote_errors():
+            await asyncio.gather(*(self.arbiter(h).wake.call_one(name, slots, stages)
+                                   for h, slots in self._by_host(name).items()))
 
     async def sleep(self, name: str) -> None:
-        await asyncio.gather(*(self.arbiter(h).sleep.call_one(name, slots)
-                               for h, slots in self._by_host(name).items()))
+        """Put `name` to sleep on all its slots, verified."""
+        async with remote_errors():
+            await asyncio.gather(*(self.arbiter(h).sleep.call_one(name, slots)
+                                   for h, slots in self._by_host(name).items()))
 
     async def status(self) -> dict[int, dict[int, dict[str, list[str] | None]]]:
         """host -> slot -> tenant -> awake stages ([] asleep, None unknown)."""
@@ -245,7 +249,7 @@ class ResourceManager:
         if self._arbiter_procs is not None:
             await _stop(self._arbiter_procs, [], grace_s)
             self._arbiter_procs = None
-        self.job.stop(grace_s)
+        await asyncio.to_thread(self.job.stop, grace_s)
 
 
 async def _stop(procs: Any, pids: list[int], grace_s: float) -> None:

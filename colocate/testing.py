@@ -1,0 +1,111 @@
+"""Run the colocation runtime in your own tests: fixtures and tenants with known contents.
+
+In a conftest.py: ``pytest_plugins = ["colocate.testing"]``, then
+
+    async def test_switch(colocate_runtime):
+        alloc = await colocate_runtime.allocate(ResourceRequest("rl", 1, 2), owner="a")
+        ...
+
+`colocate_runtime` starts the runtime on this machine (its GPUs, or 2 virtual slots
+without GPUs) and shuts it down after the test. `start_runtime(...)` does the same for
+other shapes (`scheduler="processes", hosts=2`...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+from monarch.actor import endpoint
+
+from colocate.arbiter.actor import TenantActor
+from colocate.resources.hosts import gpus_per_host
+from colocate.resources.manager import ResourceManager, init
+
+
+@asynccontextmanager
+async def start_runtime(scheduler: Any = "local", hosts: int = 1,
+                        gpus_per_host: int | None = None, **options: Any
+                        ) -> AsyncIterator[ResourceManager]:
+    """The runtime for one block: started, yielded, shut down (also on failure)."""
+    rm = await init(scheduler, hosts, gpus_per_host or _default_slots(), **options)
+    try:
+        yield rm
+    finally:
+        await rm.shutdown()
+
+
+def _default_slots() -> int:
+    return min(gpus_per_host(), 8) or 2
+
+
+@pytest_asyncio.fixture
+async def colocate_runtime() -> AsyncIterator[ResourceManager]:
+    async with start_runtime() as rm:
+        yield rm
+
+
+@pytest.fixture
+def slot_device() -> str:
+    """Where test tenants allocate: "cuda" on GPU slots, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class MemoryTenant(TenantActor):
+    """A tenant holding `mib` MiB of seeded random weights (kept across sleeps) and `mib`
+    MiB of cache (discarded), so a test can check contents and measure release."""
+
+    stages = {"weights": True, "cache": False}
+
+    def __init__(self, mib: int, seed: int = 0) -> None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        generator = torch.Generator(device=device).manual_seed(seed)
+        with self.tenancy.region("weights", device=device):
+            self.weights = torch.randint(0, 2**31, (mib << 18,), dtype=torch.int32,
+                                         device=device, generator=generator)
+        with self.tenancy.region("cache", device=device):
+            self.cache = torch.zeros(mib << 18, device=device)
+
+    @endpoint
+    def checksum(self) -> str:
+        """The weights' SHA-256; raises TagPausedError while asleep."""
+        self.tenancy.ensure_awake()
+        return hashlib.sha256(self.weights.cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+    @endpoint
+    def use_cache(self, value: float) -> float:
+        self.tenancy.ensure_awake()
+        self.cache.fill_(value)
+        return float(self.cache[-1])
+
+    @endpoint
+    def memory(self) -> dict[str, int]:
+        """What the proc holds: its RSS (CPU) or the device's used bytes (GPU)."""
+        from colocate import telemetry
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            return {"pid": os.getpid(), "used": telemetry.read_gpu(0).used_bytes}
+        return {"pid": os.getpid(), "used": telemetry.process_rss()}
+
+
+class FailingSleepTenant(MemoryTenant):
+    """A `MemoryTenant` whose sleeps raise after the first `healthy_sleeps`, for testing how
+    failures are reported."""
+
+    def __init__(self, mib: int, seed: int = 0, healthy_sleeps: int = 1) -> None:
+        super().__init__(mib, seed)
+        self.healthy_sleeps = healthy_sleeps
+
+    @endpoint
+    def sleep(self) -> None:
+        if self.healthy_sleeps <= 0:
+            raise RuntimeError("injected sleep failure")
+        self.healthy_sleeps -= 1
+        self.tenancy.sleep()

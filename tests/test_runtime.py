@@ -1,0 +1,140 @@
+"""The colocation runtime on real Monarch procs (CPU slots): groups, arbiters, switches."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from monarch.actor import ActorError
+
+from colocate.arbiter import SwitchError
+from colocate.resources.manager import ProcProbe
+from colocate.resources.packing import ResourceError, ResourceRequest
+from colocate.testing import FailingSleepTenant, MemoryTenant, start_runtime
+
+MiB = 1 << 20
+pytestmark = pytest.mark.timeout(300)
+
+
+async def two_tenants(rm, group="rl", hosts=1, procs=2, mib=128, b_class=MemoryTenant):
+    request = ResourceRequest(group, hosts=hosts, procs_per_host=procs)
+    a = await rm.spawn("a", MemoryTenant, await rm.allocate(request, owner="a"), mib, 1)
+    b = await rm.spawn("b", b_class, await rm.allocate(request, owner="b"), mib, 2)
+    return a, b
+
+
+def values(mesh_result):
+    return [value for _, value in mesh_result.items()]
+
+
+def assert_one_awake(status, awake: str):
+    for host, slots in status.items():
+        for slot, tenants in slots.items():
+            assert [n for n, stages in tenants.items() if stages] == [awake], (host, slot, status)
+
+
+async def switch_and_check(rm, a, b, mib: int):
+    """a's memory (weights and cache: 2 * mib per proc) is released, measured in each proc;
+    b takes its place, and b's weights come back intact."""
+    await rm.wake("b")
+    b_sums = values(await b.checksum.call())
+    await rm.wake("a")
+    before = values(await a.memory.call())
+    await rm.sleep("a")
+    asleep = values(await a.memory.call())
+    await rm.wake("b")
+    after = values(await b.memory.call())
+    assert_one_awake(await rm.status(), "b")
+    for x, y, z in zip(before, asleep, after, strict=True):
+        assert x["pid"] == y["pid"] == z["pid"]  # a and b share each proc
+        assert x["used"] - y["used"] >= 0.9 * 2 * mib * MiB, (x, y)
+        assert abs(z["used"] - x["used"]) <= 0.1 * 2 * mib * MiB, (x, z)
+    assert values(await b.checksum.call()) == b_sums
+    with pytest.raises(ActorError, match="paused"):
+        await a.checksum.call()
+
+
+async def test_wake_releases_the_other_and_restores_contents():
+    async with start_runtime(gpus_per_host=2) as rm:
+        a, b = await two_tenants(rm, mib=128)
+        group = rm.groups["rl"]
+        assert sorted(slot for _, slot in rm.tenants["a"]) == [0, 1]
+        probes = values(await group.procs.spawn("check", ProcProbe).info.call())
+        assert sorted(p["slot"] for p in probes) == ["0", "1"]
+        assert sorted(p["pid"] for p in probes) == sorted(group.pids)
+        await switch_and_check(rm, a, b, mib=128)
+
+
+async def test_two_hundred_alternations_do_not_drift():
+    async with start_runtime(gpus_per_host=1) as rm:
+        a, b = await two_tenants(rm, procs=1, mib=16)
+        used = []
+        for _ in range(200):
+            await rm.wake("a")
+            await rm.wake("b")
+            await b.use_cache.call(1.0)
+            used.append(values(await b.memory.call())[0]["used"])
+        assert abs(used[-1] - used[0]) < 0.02 * used[0], (used[0], used[-1])
+
+
+async def test_concurrent_conflicting_wakes_never_leave_two_awake():
+    async with start_runtime(gpus_per_host=2) as rm:
+        await two_tenants(rm, mib=8)
+        violations, samples, done = [], 0, asyncio.Event()
+
+        async def watch():
+            nonlocal samples
+            while not done.is_set():
+                for slots in (await rm.status()).values():
+                    for tenants in slots.values():
+                        if sum(1 for stages in tenants.values() if stages) > 1:
+                            violations.append(tenants)
+                samples += 1
+
+        async def client(seed: int):
+            rng = random.Random(seed)
+            for _ in range(25):
+                await rm.wake(rng.choice("ab"))
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.gather(client(1), client(2))
+        done.set()
+        await watcher
+        assert violations == [] and samples > 10
+
+
+async def test_a_failing_sleep_is_reported_and_loses_no_tenant():
+    async with start_runtime(gpus_per_host=1) as rm:
+        a, b = await two_tenants(rm, procs=1, mib=8, b_class=FailingSleepTenant)
+        await rm.wake("b")  # a sleeps (it can), b wakes
+        with pytest.raises(SwitchError, match="b failed to sleep on slot 0: injected.*a was not"):
+            await rm.wake("a")
+        status = await rm.status()
+        assert status == {0: {0: {"a": [], "b": ["weights", "cache"]}}}
+        assert len(values(await b.checksum.call())) == 1  # b still works
+        await rm.sleep("a")  # a is still registered and answers
+        assert (await rm.status())[0][0]["a"] == []
+
+
+async def test_second_service_of_a_group_shares_its_procs_and_misfits_fail_early():
+    async with start_runtime(gpus_per_host=4) as rm:
+        trainer = await rm.allocate(ResourceRequest("rl", 1, 4), owner="trainer")
+        gen0 = await rm.allocate(ResourceRequest("rl", 1, 2), owner="gen")
+        gen1 = await rm.allocate(ResourceRequest("rl", 1, 2), owner="gen")
+        assert trainer.slots == ((0, 0), (0, 1), (0, 2), (0, 3))
+        assert gen0.slots + gen1.slots == trainer.slots  # same procs, split in two replicas
+        with pytest.raises(ResourceError, match="already uses every proc"):
+            await rm.allocate(ResourceRequest("rl", 1, 2), owner="gen")
+        with pytest.raises(ResourceError, match="has 1 host"):
+            await rm.allocate(ResourceRequest("rl", 1, 8), owner="big")
+        with pytest.raises(ResourceError, match="free now"):
+            await rm.allocate(ResourceRequest("other", 1, 1), owner="x")
+
+
+@pytest.mark.parametrize("scheduler", ["processes", "torchx:local_cwd"])
+async def test_switches_across_two_hosts(scheduler):
+    async with start_runtime(scheduler, hosts=2, gpus_per_host=2) as rm:
+        a, b = await two_tenants(rm, hosts=2, procs=2, mib=32)
+        assert sorted(rm.tenants["b"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        await switch_and_check(rm, a, b, mib=32)
