@@ -21,7 +21,7 @@ CUDA (torch_memory_saver, when torch sees a GPU): the same with a CUDA tensor; b
 
 Targets (PASS/FAIL per row): released fraction >= 0.99; backup pause and resume bandwidth
 >= 0.8x the raw write and raw read bandwidth; discard pause <= 50 ms per GiB (CPU only).
-GB/s are 1e9 bytes per second.
+GB/s are 1e9 bytes per second. Python's GC is off during each timed call, as in timeit.
 
     python bench/memory.py [--sizes 64,256,1024,2048] [--device cpu|cuda] [--repeats 3]
                            [--out runs/bench_memory]
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -41,6 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +66,19 @@ Samples = dict[str, list[float]]
 # -- timing and raw I/O --------------------------------------------------------------------
 
 def _timed(fn: Callable[[], object], cuda: bool = False) -> float:
-    """Seconds that `fn` takes (with the device drained before and after on CUDA)."""
+    """Seconds that `fn` takes, with Python's GC held off as timeit does (a gen-2 pass in a
+    torch process takes ~100 ms) and, on CUDA, the device drained before and after."""
     if cuda:
         torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+    finally:
+        gc.enable()
 
 
 def _view(tensor: torch.Tensor) -> memoryview:
@@ -121,67 +128,71 @@ def _empty_samples() -> Samples:
         "discard_pause_s", "discard_resume_s", "discard_released")}
 
 
-def _measure_cpu(nbytes: int, repeats: int) -> Samples:
-    backup_dir = os.environ.get("COLOCATE_BACKUP_DIR") or tempfile.gettempdir()
-    samples = _empty_samples()
-    tensor = _random_bytes(nbytes, "cpu")
-    reference = tensor.clone()
+def _raw_cpu(reference: torch.Tensor, backup_dir: str, samples: Samples) -> None:
+    """The raw operations on the same bytes: file write, file read into fresh memory, memcpy."""
+    with tempfile.TemporaryFile(dir=backup_dir) as file:  # a new file, as each pause makes
+        source = _view(reference)
+        samples["raw_write_s"].append(_timed(lambda: _write_all(file.fileno(), source)))
+        fresh = torch.empty_like(reference)  # untouched: its page faults are timed, as in resume
+        samples["raw_read_s"].append(_timed(lambda: _read_all(file.fileno(), _view(fresh))))
+    _check(fresh, reference, "raw read baseline")
+    target = torch.zeros_like(reference)  # resident before the copy
+    samples["memcpy_s"].append(_timed(lambda: target.copy_(reference)))
+
+
+def _raw_cuda(reference: torch.Tensor, host: torch.Tensor, target: torch.Tensor,
+              samples: Samples) -> None:
+    """Device->pinned host, pinned host->device and device->device copies of the bytes."""
+    samples["raw_write_s"].append(_timed(lambda: host.copy_(reference), cuda=True))
+    samples["raw_read_s"].append(_timed(lambda: target.copy_(host), cuda=True))
+    _check(target, reference, "raw host->device baseline")
+    samples["memcpy_s"].append(_timed(lambda: target.copy_(reference), cuda=True))
+
+
+def _backup(nbytes: int, repeats: int, device: str, read: Callable[[], int],
+            samples: Samples) -> None:
+    """backup=True cycles of random bytes, each checked and followed by the raw baselines."""
+    tensor = _random_bytes(nbytes, device)
+    reference = tensor.clone()  # resident in both readings around a pause, so it cancels out
+    baseline: Callable[[], None]
+    if device == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        baseline = partial(_raw_cuda, reference, host, target, samples)
+    else:
+        backup_dir = os.environ.get("COLOCATE_BACKUP_DIR") or tempfile.gettempdir()
+        baseline = partial(_raw_cpu, reference, backup_dir, samples)
     memory.adopt(tensor, "bench", backup=True)
     for i in range(repeats):
-        _cycle("bench", nbytes, telemetry.process_rss, False, samples)
-        _check(tensor, reference, f"{nbytes // MIB} MiB, cycle {i + 1}")
-        with tempfile.TemporaryFile(dir=backup_dir) as file:
-            samples["raw_write_s"].append(_timed(lambda: _write_all(file.fileno(),
-                                                                    _view(reference))))
-            fresh = torch.empty(nbytes, dtype=torch.uint8)
-            samples["raw_read_s"].append(_timed(lambda: _read_all(file.fileno(), _view(fresh))))
-        _check(fresh, reference, "raw read baseline")
-        target = torch.zeros(nbytes, dtype=torch.uint8)  # resident before the copy
-        samples["memcpy_s"].append(_timed(lambda: target.copy_(reference)))
-        del fresh, target
-    del tensor, reference
+        _cycle("bench", nbytes, read, device == "cuda", samples)
+        _check(tensor, reference, f"{nbytes // MIB} MiB on {device}, cycle {i + 1}")
+        baseline()
 
-    discard = torch.ones(nbytes, dtype=torch.uint8)
-    memory.adopt(discard, "bench-discard", backup=False)
+
+def _discard(nbytes: int, repeats: int, device: str, read: Callable[[], int],
+             samples: Samples) -> None:
+    """backup=False cycles on another tag."""
+    tensor = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    memory.adopt(tensor, "bench-discard", backup=False)
     for _ in range(repeats):
-        _cycle("bench-discard", nbytes, telemetry.process_rss, False, samples, "discard_")
-    return samples
+        _cycle("bench-discard", nbytes, read, device == "cuda", samples, "discard_")
 
 
-def _measure_cuda(nbytes: int, repeats: int) -> Samples:
-    samples = _empty_samples()
-    index = torch.cuda.current_device()
-
-    def read() -> int:
-        torch.cuda.synchronize()
-        return telemetry.read_gpu(index).used_bytes
-
-    tensor = _random_bytes(nbytes, "cuda")
-    reference = tensor.clone()
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    memory.adopt(tensor, "bench", backup=True)
-    for i in range(repeats):
-        _cycle("bench", nbytes, read, True, samples)
-        _check(tensor, reference, f"{nbytes // MIB} MiB, cycle {i + 1}")
-        samples["raw_write_s"].append(_timed(lambda: host.copy_(reference), cuda=True))
-        samples["raw_read_s"].append(_timed(lambda: target.copy_(host), cuda=True))
-        _check(target, reference, "raw host->device baseline")
-        samples["memcpy_s"].append(_timed(lambda: target.copy_(reference), cuda=True))
-    del tensor, reference, host, target
-    torch.cuda.empty_cache()
-
-    discard = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
-    memory.adopt(discard, "bench-discard", backup=False)
-    for _ in range(repeats):
-        _cycle("bench-discard", nbytes, read, True, samples, "discard_")
-    return samples
+def _gpu_used() -> int:
+    torch.cuda.synchronize()
+    return telemetry.read_gpu(torch.cuda.current_device()).used_bytes
 
 
 def measure(size_mib: int, device: str, repeats: int) -> Samples:
     """Every sample for one size on `device`; runs in a child process."""
     nbytes = size_mib * MIB
-    return _measure_cuda(nbytes, repeats) if device == "cuda" else _measure_cpu(nbytes, repeats)
+    read = _gpu_used if device == "cuda" else telemetry.process_rss
+    samples = _empty_samples()
+    _backup(nbytes, repeats, device, read, samples)  # its tensors are freed on return
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    _discard(nbytes, repeats, device, read, samples)
+    return samples
 
 
 # -- results ---------------------------------------------------------------------------------
