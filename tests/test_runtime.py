@@ -138,3 +138,21 @@ async def test_switches_across_two_hosts(scheduler):
         a, b = await two_tenants(rm, hosts=2, procs=2, mib=32)
         assert sorted(rm.tenants["b"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
         await switch_and_check(rm, a, b, mib=32)
+
+
+async def test_phase_wakes_for_its_block_in_both_forms():
+    from colocate import phase
+
+    async with start_runtime(gpus_per_host=1) as rm:
+        a, b = await two_tenants(rm, procs=1, mib=8)
+        async with phase("b"):
+            assert_one_awake(await rm.status(), "b")
+            assert len(values(await b.checksum.call())) == 1
+        assert_one_awake(await rm.status(), "b")  # stays awake after the block
+        with phase("a"):  # the blocking form, here from inside a running loop
+            assert_one_awake(await rm.status(), "a")
+        with pytest.raises(TypeError, match="tenant names"):
+            phase(42)
+    with pytest.raises(ResourceError, match="no runtime is running"):
+        async with phase("a"):
+            pass

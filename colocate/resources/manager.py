@@ -249,6 +249,9 @@ class ResourceManager:
         if self._arbiter_procs is not None:
             await _stop(self._arbiter_procs, [], grace_s)
             self._arbiter_procs = None
+        global _current
+        if _current is self:
+            _current = None
         await asyncio.to_thread(self.job.stop, grace_s)
 
 
@@ -263,6 +266,16 @@ async def _stop(procs: Any, pids: list[int], grace_s: float) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+_current: ResourceManager | None = None
+
+
+def current() -> ResourceManager:
+    """The ResourceManager that `init()` started last in this process."""
+    if _current is None:
+        raise ResourceError("no runtime is running: start one with `await colocate.init(...)`")
+    return _current
 
 
 async def init(scheduler: Any = "local", hosts: int = 1, gpus_per_host: int | None = None,
@@ -288,4 +301,6 @@ async def init(scheduler: Any = "local", hosts: int = 1, gpus_per_host: int | No
     except BaseException:
         job.stop()
         raise
+    global _current
+    _current = rm
     return rm

@@ -1,0 +1,82 @@
+"""`phase(x)`: make a tenant (or a service's tenants) the awake one for a block.
+
+    async with phase("generator"):      # the trainer sleeps on those slots, verified
+        rollouts = await generator.generate.call(prompts)
+
+    with phase("trainer"):              # the blocking form, for notebooks and scripts
+        ...
+
+On entry the arbiters wake each named tenant in turn, putting to sleep whoever conflicts.
+On exit nothing moves: the tenant stays awake until another phase needs its slots, so a
+repeated phase costs no switch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Coroutine, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from colocate.resources.manager import ResourceManager, current
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class HasTenants(Protocol):
+    """Anything that names the tenants it is made of (a service, for one)."""
+
+    def tenant_names(self) -> list[str]: ...
+
+
+def _names(targets: Sequence[str | HasTenants]) -> list[str]:
+    names: list[str] = []
+    for target in targets:
+        if isinstance(target, str):
+            names.append(target)
+        elif isinstance(target, HasTenants):
+            names.extend(target.tenant_names())
+        else:
+            raise TypeError(f"phase() takes tenant names or objects with tenant_names(), "
+                            f"got {target!r}")
+    return names
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to its end from sync code, also where a loop already runs (Jupyter)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+class phase:  # noqa: N801 - used like a function, as contextlib's helpers are
+    """Wake `targets` (tenant names, or objects with `tenant_names()`) for a block."""
+
+    def __init__(self, *targets: str | HasTenants, stages: list[str] | None = None,
+                 rm: ResourceManager | None = None) -> None:
+        self.names = _names(targets)
+        self.stages = stages
+        self.rm = rm
+
+    async def _enter(self) -> None:
+        rm = self.rm or current()
+        for name in self.names:
+            await rm.wake(name, self.stages)
+
+    async def __aenter__(self) -> phase:
+        await self._enter()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    def __enter__(self) -> phase:
+        run_sync(self._enter())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
