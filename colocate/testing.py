@@ -71,6 +71,7 @@ class MemoryTenant(TenantActor):
                                          device=device, generator=generator)
         with self.tenancy.region("cache", device=device):
             self.cache = torch.zeros(mib << 18, device=device)
+        self.served = {"awake": 0, "asleep": 0}
 
     @endpoint
     def checksum(self) -> str:
@@ -83,6 +84,20 @@ class MemoryTenant(TenantActor):
         self.tenancy.ensure_awake()
         self.cache.fill_(value)
         return float(self.cache[-1])
+
+    @endpoint
+    def work(self, x: int) -> int:
+        """Serve a request: counted, and counted apart when it reached this tenant asleep
+        (a router that respects the arbiter never lets that happen)."""
+        asleep = self.tenancy.describe().awake_stages != tuple(self.stages)
+        self.served["asleep" if asleep else "awake"] += 1
+        if not asleep:
+            self.cache[0] = x
+        return x
+
+    @endpoint
+    def counts(self) -> dict[str, int]:
+        return dict(self.served)
 
     @endpoint
     def memory(self) -> dict[str, int]:

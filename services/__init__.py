@@ -1,0 +1,21 @@
+"""The service layer: replicated actors on colocated procs, routed only to awake replicas.
+
+    from services import ServiceConfig, spawn_service
+    gen = await spawn_service(ServiceConfig(num_replicas=2, resource_group="rl"), Generator)
+    await gen.generate.route(prompt)
+"""
+
+from services.config import ServiceConfig, ServiceConfigError
+from services.errors import (
+    ServiceAsleepError,
+    ServiceClosedError,
+    ServiceError,
+    ServiceUnavailableError,
+)
+from services.service import Service
+from services.spawn import spawn_service
+
+__all__ = [
+    "Service", "ServiceAsleepError", "ServiceClosedError", "ServiceConfig", "ServiceConfigError",
+    "ServiceError", "ServiceUnavailableError", "spawn_service",
+]

@@ -95,6 +95,10 @@ class Arbiter(Actor):
         return await self.core.register(slot, ActorTenantHandle(name, actor))
 
     @concurrent_endpoint
+    async def unregister(self, name: str, slots: list[int] | None = None) -> None:
+        await self.core.unregister(name, slots)
+
+    @concurrent_endpoint
     async def wake(self, name: str, slots: list[int] | None = None,
                    stages: list[str] | None = None) -> None:
         await self.core.wake(name, slots, stages)

@@ -211,6 +211,13 @@ class SlotArbiter:
                 raise type(err)(f"{err}; {name} was not registered") from err
             return info
 
+    async def unregister(self, name: str, slots: Iterable[int] | None = None) -> None:
+        """Forget `name` on its slots (its actors are being stopped)."""
+        chosen = self._slots_of(name, slots)
+        async with self._hold(chosen):
+            for slot in chosen:
+                self._forget(slot, name)
+
     def _forget(self, slot: Slot, name: str) -> None:
         for table in (slot.tenants, slot.infos, slot.awake):
             table.pop(name, None)

@@ -20,6 +20,8 @@ import asyncio
 import logging
 import os
 import signal
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +95,10 @@ class ResourceManager:
         self.inventory = Inventory(job.num_hosts, gpus_per_host)
         self.groups: dict[str, Group] = {}
         self.tenants: dict[str, list[tuple[int, int]]] = {}  # name -> (host, slot)
+        self.stages: dict[str, tuple[str, ...]] = {}  # name -> its stages
+        self.awake: dict[str, bool] = {}  # name -> fully awake on all its slots (last view)
+        self.drainers: list[Callable[[set[str]], Awaitable[None]]] = []
+        self._switching: Counter[str] = Counter()
         self.arbiter_config = arbiter_config
         self._arbiter_procs: Any = None
         self.arbiters: Any = None
@@ -194,11 +200,23 @@ class ResourceManager:
         self.tenants[name] = list(allocation.slots)
         per_host = allocation.procs_per_host
         async with remote_errors():
-            await asyncio.gather(*(
+            infos = await asyncio.gather(*(
                 self.arbiter(host).register.call_one(
                     slot, name, select(actors, hosts=i // per_host, gpus=i % per_host))
                 for i, (host, slot) in enumerate(allocation.slots)))
+        self.stages[name] = infos[0].stages
+        await self._refresh()
         return actors
+
+    async def remove(self, name: str, actors: Any) -> None:
+        """Stop a tenant's actors and forget it (its procs stay with their group)."""
+        by_host = self._by_host(name)
+        async with remote_errors():
+            await asyncio.gather(*(self.arbiter(h).unregister.call_one(name, slots)
+                                   for h, slots in by_host.items()))
+        for table in (self.tenants, self.stages, self.awake):
+            table.pop(name, None)
+        await actors.stop()
 
     def _by_host(self, name: str) -> dict[int, list[int]]:
         if name not in self.tenants:
@@ -210,15 +228,46 @@ class ResourceManager:
 
     async def wake(self, name: str, stages: list[str] | None = None) -> None:
         """Make `name` awake on all its slots; its hosts switch in parallel."""
-        async with remote_errors():
-            await asyncio.gather(*(self.arbiter(h).wake.call_one(name, slots, stages)
-                                   for h, slots in self._by_host(name).items()))
+        by_host = self._by_host(name)
+        await self._switch(self._neighbours(name), [
+            self.arbiter(h).wake.call_one(name, slots, stages) for h, slots in by_host.items()])
 
     async def sleep(self, name: str) -> None:
         """Put `name` to sleep on all its slots, verified."""
-        async with remote_errors():
-            await asyncio.gather(*(self.arbiter(h).sleep.call_one(name, slots)
-                                   for h, slots in self._by_host(name).items()))
+        by_host = self._by_host(name)
+        await self._switch({name}, [
+            self.arbiter(h).sleep.call_one(name, slots) for h, slots in by_host.items()])
+
+    def _neighbours(self, name: str) -> set[str]:
+        """The tenants that share a slot with `name`: a wake of `name` may put them to sleep."""
+        mine = set(self.tenants[name])
+        return {other for other, slots in self.tenants.items()
+                if other != name and mine.intersection(slots)}
+
+    async def _switch(self, touched: set[str], calls: list[Any]) -> None:
+        """Run arbiter calls that may put `touched` to sleep: first stop routing to them and
+        let the drainers (services) finish their in-flight requests; after, refresh `awake`."""
+        self._switching.update(touched)
+        try:
+            await asyncio.gather(*(drain(touched) for drain in self.drainers))
+            async with remote_errors():
+                await asyncio.gather(*calls)
+        finally:
+            try:
+                await self._refresh()  # before routing resumes: the old view is stale now
+            finally:
+                self._switching.subtract(touched)
+
+    async def _refresh(self) -> None:
+        status = await self.status()
+        self.awake = {
+            name: all(set(status[h][slot].get(name) or ()) >= set(self.stages.get(name, ()))
+                      and bool(status[h][slot].get(name)) for h, slot in slots)
+            for name, slots in self.tenants.items()}
+
+    def routable(self, name: str) -> bool:
+        """Fully awake on all its slots, and no switch in flight may put it to sleep."""
+        return self.awake.get(name, False) and self._switching[name] <= 0
 
     async def status(self) -> dict[int, dict[int, dict[str, list[str] | None]]]:
         """host -> slot -> tenant -> awake stages ([] asleep, None unknown)."""

@@ -1,0 +1,105 @@
+"""ServiceConfig: the shape of a service and how it routes, heals and scales.
+
+All validation happens here, in one place, before anything is spawned; every error names
+the field and the limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROUTERS = ("round_robin", "least_loaded", "sticky")
+WHEN_ASLEEP = ("wait", "wake", "fail")
+
+
+class ServiceConfigError(ValueError):
+    """A ServiceConfig that cannot be served, with the field and the limit in the message."""
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """How many replicas, where they run, and how calls reach them.
+
+    A replica spans `hosts_per_replica` hosts x `procs_per_host` procs (`procs_per_replica`
+    is the one-host shorthand). Services naming the same `resource_group` share procs.
+    """
+
+    num_replicas: int = 1
+    min_replicas: int | None = None  # default: num_replicas
+    max_replicas: int | None = None  # default: num_replicas
+    hosts_per_replica: int = 1
+    procs_per_host: int | None = None
+    procs_per_replica: int | None = None
+    with_gpus: bool = True
+    resource_group: str | None = None  # default: the service's own name
+    # routing
+    router: str = "round_robin"
+    when_asleep: str = "wait"
+    wait_timeout_s: float = 60.0
+    # health
+    max_retries: int = 2
+    respawn: bool = True
+    # autoscaling
+    scale_up_queue_depth: float = 4.0  # mean in-flight requests per awake replica
+    scale_down_utilization: float = 0.1  # mean busy fraction per replica
+    scale_cooldown_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        def fail(message: str) -> None:
+            raise ServiceConfigError(f"ServiceConfig: {message}")
+
+        if self.procs_per_host is not None and self.procs_per_replica is not None:
+            fail("give procs_per_host or procs_per_replica (the one-host shorthand), not both")
+        if self.procs_per_replica is not None and self.hosts_per_replica != 1:
+            fail(f"procs_per_replica is for one-host replicas; hosts_per_replica="
+                 f"{self.hosts_per_replica}: use procs_per_host instead")
+        if self.procs < 1:
+            fail(f"procs_per_host={self.procs} must be at least 1")
+        if self.hosts_per_replica < 1:
+            fail(f"hosts_per_replica={self.hosts_per_replica} must be at least 1")
+        if self.num_replicas < 1:
+            fail(f"num_replicas={self.num_replicas} must be at least 1")
+        if self.min < 1:
+            fail(f"min_replicas={self.min} must be at least 1")
+        if self.min > self.max:
+            fail(f"min_replicas={self.min} is above max_replicas={self.max}")
+        if not self.min <= self.num_replicas <= self.max:
+            fail(f"num_replicas={self.num_replicas} is outside [min_replicas={self.min}, "
+                 f"max_replicas={self.max}]")
+        if self.router not in ROUTERS:
+            fail(f"router={self.router!r}: use one of {ROUTERS}")
+        if self.when_asleep not in WHEN_ASLEEP:
+            fail(f"when_asleep={self.when_asleep!r}: use one of {WHEN_ASLEEP}")
+        if self.max_retries < 0:
+            fail(f"max_retries={self.max_retries} must be >= 0")
+        for name in ("wait_timeout_s", "scale_cooldown_s", "scale_up_queue_depth"):
+            if getattr(self, name) <= 0:
+                fail(f"{name}={getattr(self, name)} must be > 0")
+        if not 0 <= self.scale_down_utilization < 1:
+            fail(f"scale_down_utilization={self.scale_down_utilization} must be in [0, 1)")
+
+    @property
+    def procs(self) -> int:
+        """Procs per host of one replica."""
+        if self.procs_per_replica is not None:
+            return self.procs_per_replica
+        return 1 if self.procs_per_host is None else self.procs_per_host
+
+    @property
+    def min(self) -> int:
+        return self.num_replicas if self.min_replicas is None else self.min_replicas
+
+    @property
+    def max(self) -> int:
+        return self.num_replicas if self.max_replicas is None else self.max_replicas
+
+    def check_fits(self, num_hosts: int, gpus_per_host: int) -> None:
+        """Refuse a shape that no host layout could hold (before anything is spawned)."""
+        if self.hosts_per_replica > num_hosts:
+            raise ServiceConfigError(
+                f"ServiceConfig: hosts_per_replica={self.hosts_per_replica} is above the "
+                f"{num_hosts} host(s) there are")
+        if self.with_gpus and self.procs > gpus_per_host:
+            raise ServiceConfigError(
+                f"ServiceConfig: procs_per_host={self.procs} is above the {gpus_per_host} "
+                "GPUs of a host")

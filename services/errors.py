@@ -1,0 +1,17 @@
+"""Errors a service raises to its callers."""
+
+
+class ServiceError(RuntimeError):
+    """Base class of the service layer's errors."""
+
+
+class ServiceAsleepError(ServiceError):
+    """No replica of the service is awake (and the policy said not to wait or wake)."""
+
+
+class ServiceUnavailableError(ServiceError):
+    """No healthy replica is left to take the request."""
+
+
+class ServiceClosedError(ServiceError):
+    """The service was shut down; it takes no new requests."""

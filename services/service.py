@@ -1,0 +1,196 @@
+"""The Service handle: endpoints reached through `route` and `fanout`, awake-only routing,
+sessions, bounded retries, and a drained shutdown.
+
+    svc = await spawn_service(ServiceConfig(num_replicas=2, resource_group="rl"), Gen, cfg)
+    out = await svc.generate.route(prompt)            # one awake, healthy replica
+    outs = await svc.generate.fanout(prompt)          # every awake, healthy replica
+    async with svc.session() as s:                    # calls stick to one replica
+        await svc.generate.route(prompt, session=s)
+
+A replica is awake when its tenant is awake on all its procs, as the arbiter reports; no
+call is sent to a replica that a switch in flight may put to sleep (the resource manager
+drains them first). When none is awake, `config.when_asleep` decides: wait (bounded),
+wake it, or fail with `ServiceAsleepError`. Every call ends in a result or an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from monarch._src.actor.endpoint import EndpointProperty
+from monarch.actor import ActorError
+
+from colocate.memory import TagPausedError
+from colocate.resources.manager import ResourceManager
+from services.config import ServiceConfig
+from services.errors import ServiceAsleepError, ServiceClosedError, ServiceUnavailableError
+from services.replica import Health, Replica
+from services.router import make_router
+
+logger = logging.getLogger(__name__)
+POLL_S = 0.002
+
+
+class ServiceEndpoint:
+    """`svc.<endpoint>`: `route` to one replica, `fanout` to all awake ones."""
+
+    def __init__(self, service: Service, name: str) -> None:
+        self.service, self.name = service, name
+
+    async def route(self, *args: Any, session: str | None = None, **kwargs: Any) -> Any:
+        return await self.service._route(self.name, args, kwargs, session)
+
+    async def fanout(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return await self.service._fanout(self.name, args, kwargs)
+
+
+class Service:
+    """A set of replicas of one actor class, colocated through the resource manager."""
+
+    def __init__(self, name: str, config: ServiceConfig, actor_class: type, rm: ResourceManager,
+                 replicas: list[Replica]) -> None:
+        self.name, self.config, self.actor_class, self.rm = name, config, actor_class, rm
+        self.replicas = replicas
+        self.router = make_router(config.router)
+        self.endpoints = {n for n, v in inspect.getmembers(actor_class)
+                          if isinstance(v, EndpointProperty)}
+        self.sessions: dict[str, int] = {}
+        self._session_ids = itertools.count()
+        self.closed = False
+        rm.drainers.append(self._drain)
+
+    def __getattr__(self, name: str) -> ServiceEndpoint:
+        if name.startswith("_") or name not in self.__dict__.get("endpoints", ()):
+            raise AttributeError(f"service {self.__dict__.get('name')!r} has no endpoint {name!r}")
+        return ServiceEndpoint(self, name)
+
+    def tenant_names(self) -> list[str]:
+        """The arbiter's names for the replicas: `phase(svc)` wakes them all."""
+        return [r.tenant for r in self.replicas if r.health is Health.HEALTHY]
+
+    # -- routing -------------------------------------------------------------------------
+
+    def _routable(self, exclude: set[int]) -> list[Replica]:
+        return [r for r in self.replicas if r.health is Health.HEALTHY
+                and r.index not in exclude and self.rm.routable(r.tenant)]
+
+    def _awake_elsewhere(self) -> str:
+        awake = sorted(n for n, up in self.rm.awake.items() if up)
+        return ", ".join(awake) or "nothing"
+
+    async def _pick(self, session: str | None, exclude: set[int]) -> Replica:
+        deadline = time.monotonic() + self.config.wait_timeout_s
+        woken = False
+        while True:
+            if self.closed:
+                raise ServiceClosedError(f"service {self.name!r} is shut down")
+            candidates = self._routable(exclude)
+            if candidates:
+                return self._choose(candidates, session)
+            healthy = [r for r in self.replicas
+                       if r.health is Health.HEALTHY and r.index not in exclude]
+            if not healthy:
+                raise ServiceUnavailableError(
+                    f"service {self.name!r} has no healthy replica left: "
+                    + "; ".join(f"replica {r.index}: {r.health.value} ({r.failure})"
+                                for r in self.replicas))
+            if self.config.when_asleep == "fail":
+                raise ServiceAsleepError(f"service {self.name!r} has no awake replica; "
+                                         f"awake now: {self._awake_elsewhere()}")
+            if self.config.when_asleep == "wake" and not woken:
+                woken = True
+                await self.rm.wake(healthy[0].tenant)
+                continue
+            if time.monotonic() > deadline:
+                raise ServiceAsleepError(
+                    f"service {self.name!r}: no replica woke within "
+                    f"{self.config.wait_timeout_s} s; awake now: {self._awake_elsewhere()}")
+            await asyncio.sleep(POLL_S)
+
+    def _choose(self, candidates: list[Replica], session: str | None) -> Replica:
+        if session is not None:
+            for replica in candidates:
+                if replica.index == self.sessions.get(session):
+                    return replica
+        replica = self.router.pick(candidates)
+        if session is not None:
+            self.sessions[session] = replica.index
+        return replica
+
+    async def _route(self, endpoint: str, args: tuple, kwargs: dict,
+                     session: str | None) -> Any:
+        failed: set[int] = set()
+        while True:
+            replica = await self._pick(session, failed)
+            try:
+                return await replica.call(endpoint, args, kwargs)
+            except ActorError as err:
+                if isinstance(err.exception, TagPausedError):
+                    continue  # put to sleep under us: not a failure; route again
+                if not _is_fault(err):
+                    raise err.exception from None  # the endpoint's own error: the caller's
+                self._fail(replica, err)
+                failed.add(replica.index)
+                if len(failed) > self.config.max_retries:
+                    raise
+            except Exception as err:  # the replica's proc is gone, or unreachable
+                self._fail(replica, err)
+                failed.add(replica.index)
+                if len(failed) > self.config.max_retries:
+                    raise
+
+    async def _fanout(self, endpoint: str, args: tuple, kwargs: dict) -> list[Any]:
+        replicas = self._routable(set()) or [await self._pick(None, set())]
+        replicas = self._routable(set()) or replicas
+        return list(await asyncio.gather(*(r.call(endpoint, args, kwargs) for r in replicas)))
+
+    def _fail(self, replica: Replica, err: BaseException) -> None:
+        logger.warning("service %r replica %d failed: %s", self.name, replica.index, err)
+        replica.mark_failed(f"{type(err).__name__}: {str(err).splitlines()[0]}")
+
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[str]:
+        """A session id: calls routed with it stick to one replica while it can take them."""
+        session = f"{self.name}-{next(self._session_ids)}"
+        try:
+            yield session
+        finally:
+            self.sessions.pop(session, None)
+
+    # -- switches and shutdown --------------------------------------------------------
+
+    async def _drain(self, tenants: set[str], timeout_s: float | None = None) -> None:
+        """Wait until the replicas of `tenants` have no call in flight (the resource manager
+        stopped routing to them before calling this)."""
+        deadline = time.monotonic() + (timeout_s or self.config.wait_timeout_s)
+        while any(r.in_flight for r in self.replicas if r.tenant in tenants):
+            if time.monotonic() > deadline:
+                logger.warning("service %r: calls still in flight after %s s; switching anyway",
+                               self.name, timeout_s or self.config.wait_timeout_s)
+                return
+            await asyncio.sleep(POLL_S)
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Take no new calls, let the ones in flight finish, then stop the replicas' actors
+        and free their procs (the resource group keeps its procs for other services)."""
+        self.closed = True
+        await self._drain({r.tenant for r in self.replicas}, grace_s)
+        for replica in self.replicas:
+            if replica.health is not Health.STOPPED:
+                await self.rm.remove(replica.tenant, replica.actors)
+                self.rm.free(replica.allocation)
+                replica.health = Health.STOPPED
+        if self._drain in self.rm.drainers:
+            self.rm.drainers.remove(self._drain)
+
+
+def _is_fault(err: ActorError) -> bool:
+    """An ActorError that says the replica itself is broken, not that the call raised."""
+    return isinstance(err.exception, (SystemExit, KeyboardInterrupt, MemoryError))

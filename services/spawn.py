@@ -1,0 +1,46 @@
+"""`spawn_service`: allocate each replica's procs in its resource group and spawn the actors."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from colocate.resources.manager import ResourceManager, current
+from colocate.resources.packing import ResourceRequest
+from services.config import ServiceConfig
+from services.replica import Replica
+from services.service import Service
+
+_names = itertools.count()
+
+
+def _group_for(replica: ResourceRequest, replicas: int, gpus_per_host: int) -> ResourceRequest:
+    """A new group's shape: `replicas` replicas side by side on each host, then more hosts."""
+    per_host = max(1, min(replicas, gpus_per_host // replica.procs_per_host))
+    host_rows = -(-replicas // per_host)
+    return ResourceRequest(replica.resource_group, replica.hosts * host_rows,
+                           replica.procs_per_host * per_host, replica.with_gpus)
+
+
+async def spawn_service(config: ServiceConfig, actor_class: type, *args: Any,
+                        name: str | None = None, rm: ResourceManager | None = None,
+                        **kwargs: Any) -> Service:
+    """Start `config.num_replicas` replicas of `actor_class(*args, **kwargs)`.
+
+    Replicas of services in one resource group share procs (one per GPU), so a
+    `TenantActor` service time-shares them with the group's other services.
+    """
+    rm = rm or current()
+    name = name or f"{actor_class.__name__.lower()}{next(_names)}"
+    config.check_fits(rm.inventory.num_hosts, rm.inventory.gpus_per_host)
+    group = config.resource_group or name
+    request = ResourceRequest(group, config.hosts_per_replica, config.procs, config.with_gpus)
+    if group not in rm.groups:
+        await rm.reserve(_group_for(request, config.num_replicas, rm.inventory.gpus_per_host))
+    allocations = [await rm.allocate(request, owner=name) for _ in range(config.num_replicas)]
+    replicas = []
+    for index, allocation in enumerate(allocations):
+        tenant = f"{name}.r{index}"
+        actors = await rm.spawn(tenant, actor_class, allocation, *args, **kwargs)
+        replicas.append(Replica(index, tenant, allocation, actors))
+    return Service(name, config, actor_class, rm, replicas)

@@ -1,0 +1,115 @@
+"""The service layer on real Monarch procs: awake-only routing, policies, sessions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from colocate import phase
+from colocate.testing import MemoryTenant, start_runtime
+from services import (
+    ServiceAsleepError,
+    ServiceClosedError,
+    ServiceConfig,
+    ServiceConfigError,
+    spawn_service,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_config_errors_name_the_field_and_the_limit():
+    cases = [
+        (dict(min_replicas=3, max_replicas=2, num_replicas=2), "min_replicas=3 is above"),
+        (dict(num_replicas=5, min_replicas=1, max_replicas=4), "num_replicas=5 is outside"),
+        (dict(procs_per_host=0), "procs_per_host=0"),
+        (dict(procs_per_host=2, procs_per_replica=2), "not both"),
+        (dict(procs_per_replica=2, hosts_per_replica=2), "one-host replicas"),
+        (dict(router="random"), "router='random'"),
+        (dict(when_asleep="sleep"), "when_asleep='sleep'"),
+        (dict(max_retries=-1), "max_retries=-1"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ServiceConfigError, match=message):
+            ServiceConfig(**kwargs)
+    with pytest.raises(ServiceConfigError, match="procs_per_host=9 is above the 8 GPUs"):
+        ServiceConfig(procs_per_host=9).check_fits(num_hosts=1, gpus_per_host=8)
+    with pytest.raises(ServiceConfigError, match="hosts_per_replica=2 is above the 1 host"):
+        ServiceConfig(hosts_per_replica=2).check_fits(num_hosts=1, gpus_per_host=8)
+    assert ServiceConfig(procs_per_replica=4).procs == 4
+
+
+async def colocated(rm, when_asleep="wait", generators=2):
+    trainer = await spawn_service(ServiceConfig(procs_per_host=2, resource_group="rl"),
+                                  MemoryTenant, 8, 1, name="trainer")
+    generator = await spawn_service(
+        ServiceConfig(num_replicas=generators, procs_per_host=1, resource_group="rl",
+                      when_asleep=when_asleep, router="least_loaded"),
+        MemoryTenant, 8, 2, name="generator")
+    return trainer, generator
+
+
+async def test_no_request_reaches_a_sleeping_replica_while_phases_alternate():
+    async with start_runtime(gpus_per_host=2) as rm:
+        trainer, generator = await colocated(rm)
+        stop = asyncio.Event()
+
+        async def alternate():
+            while not stop.is_set():
+                for svc in (generator, trainer):
+                    async with phase(svc):
+                        await asyncio.sleep(0.05)
+
+        async def client(svc, start: int, n: int):
+            return [await svc.work.route(start + i) for i in range(n)]
+
+        switching = asyncio.create_task(alternate())
+        results = await asyncio.gather(*(client(generator, 1000 * c, 100) for c in range(8)),
+                                       *(client(trainer, 100_000 + 1000 * c, 40)
+                                         for c in range(4)))
+        stop.set()
+        await switching
+        sent = [list(range(1000 * c, 1000 * c + 100)) for c in range(8)] + \
+            [list(range(100_000 + 1000 * c, 100_000 + 1000 * c + 40)) for c in range(4)]
+        assert results == sent  # every request answered, with its own answer
+        counts = [c for svc in (generator, trainer) for r in svc.replicas
+                  for _, c in (await r.actors.counts.call()).items()]
+        assert all(c["asleep"] == 0 for c in counts), counts
+        assert sum(c["awake"] for c in counts) == 8 * 100 + 4 * 40 * 2  # trainer: 2 procs
+
+
+async def test_when_asleep_policies():
+    async with start_runtime(gpus_per_host=2) as rm:
+        trainer, generator = await colocated(rm, when_asleep="fail")
+        await rm.wake(trainer.tenant_names()[0])
+        with pytest.raises(ServiceAsleepError, match=r"'generator'.*awake now: trainer.r0"):
+            await generator.work.route(1)
+        generator.config = ServiceConfig(**{**generator.config.__dict__, "when_asleep": "wake"})
+        assert await generator.work.route(2) == 2  # woke a replica on demand
+        assert rm.awake[generator.replicas[0].tenant] and not rm.awake["trainer.r0"]
+        generator.config = ServiceConfig(**{**generator.config.__dict__, "when_asleep": "wait",
+                                            "wait_timeout_s": 0.3})
+        async with phase(trainer):
+            with pytest.raises(ServiceAsleepError, match="no replica woke within 0.3 s"):
+                await generator.work.route(3)
+
+
+async def test_sessions_stick_and_errors_reach_the_caller():
+    async with start_runtime(gpus_per_host=2) as rm:
+        _, generator = await colocated(rm)
+        async with phase(generator):
+            async with generator.session() as session:
+                pids = {(await generator.memory.route(session=session))["pid"]
+                        for _ in range(10)}
+            assert len(pids) == 1
+            everywhere = await generator.memory.fanout()
+            assert len({m["pid"] for m in everywhere}) == 2
+            with pytest.raises(TypeError):
+                await generator.use_cache.route("not a number")
+            assert all(r.health.value == "healthy" for r in generator.replicas)
+            await generator.shutdown()
+            with pytest.raises(ServiceClosedError):
+                await generator.work.route(1)
+            with pytest.raises(AttributeError, match="no endpoint 'nope'"):
+                generator.nope  # noqa: B018
