@@ -1,0 +1,224 @@
+"""Cost of a tenant switch through the arbiter, against the raw in-proc pause + resume.
+
+Two `MemoryTenant`s "a" and "b" (each `mib` MiB of weights with backup and `mib` MiB of
+cache without) share the same slot procs. One switch is `await rm.wake(target)` timed in
+this process: a message to the host's arbiter, which sleeps the other tenant on every slot
+(describe, sleep, RSS polled until the release is measured), then wakes the target stage by
+stage, and answers. The raw switch is `RawSwitch.switch` on the same procs: the same
+`colocate.memory` calls on the same sizes, under tags of its own, timed inside the proc
+(pause other/weights, pause other/cache, resume target/weights, resume target/cache).
+Rounds alternate b, a; every arbiter switch is followed by the raw one in the same
+direction, so both see the same machine state. One warm-up round is not counted.
+
+1. Overhead ratio, `--slots` slots of `--mib` MiB: median arbiter switch / median raw
+   switch (target <= 1.15).
+2. Control overhead, `--control-slots` slots of `--control-mib` MiB: median arbiter switch
+   minus the median over rounds of the raw switch's max over slots (the slots switch in
+   parallel, so the slowest one bounds a round), in ms (target <= 5 ms).
+
+Informative rows (no target): client -> arbiter round trip (`rm.status()`), client -> tenant
+round trip (`describe`), one RSS reading by pid (`telemetry.read_pid`, what the arbiter
+polls). The arbiter makes 5 tenant calls per slot per switch: describe the target, describe
+the other, sleep it, wake weights, wake cache.
+
+    python bench/switch.py [--mib 256] [--slots 1] [--rounds 10] [--control-slots 8]
+                           [--control-mib 1] [--control-rounds 50]
+                           [--out runs/bench_switch/results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import timeit
+import warnings
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from monarch.actor import Actor, endpoint  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from colocate import memory, telemetry  # noqa: E402
+from colocate.resources.manager import ResourceManager, select  # noqa: E402
+from colocate.resources.packing import ResourceRequest  # noqa: E402
+from colocate.testing import MemoryTenant, start_runtime  # noqa: E402
+
+MAX_RATIO = 1.15
+MAX_CONTROL_MS = 5.0
+OTHER = {"a": "b", "b": "a"}
+
+
+class RawSwitch(Actor):
+    """Two tenants' worth of tagged tensors, as `MemoryTenant` allocates them, switched with
+    `colocate.memory` directly: the least a switch can cost in this proc."""
+
+    def __init__(self, mib: int) -> None:
+        # The tenants allocate after these tags' first pause, which the proc's leak tracker
+        # would report as residual growth of raw-b: expected here, not a leak.
+        warnings.filterwarnings("ignore", message="residual memory after pausing tag 'raw-")
+        self.cuda = torch.cuda.is_available()
+        device = "cuda" if self.cuda else "cpu"
+        self.tensors: list[torch.Tensor] = []
+        for name in ("a", "b"):
+            with memory.region(f"raw-{name}/weights", backup=True, device=device):
+                self.tensors.append(torch.randint(0, 2**31, (mib << 18,), dtype=torch.int32,
+                                                  device=device))
+            with memory.region(f"raw-{name}/cache", backup=False, device=device):
+                self.tensors.append(torch.zeros(mib << 18, device=device))
+        memory.pause("raw-b/weights")  # as the tenants: a awake, b asleep
+        memory.pause("raw-b/cache")
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def switch(self, target: str) -> float:
+        """Seconds to put the other raw tenant to sleep and wake `target`."""
+        other = OTHER[target]
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        memory.pause(f"raw-{other}/weights")
+        memory.pause(f"raw-{other}/cache")
+        memory.resume(f"raw-{target}/weights")
+        memory.resume(f"raw-{target}/cache")
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
+def values(mesh_result: Any) -> list[Any]:
+    return [value for _, value in mesh_result.items()]
+
+
+async def timed(fn: Callable[[], Awaitable[object]]) -> float:
+    start = time.perf_counter()
+    await fn()
+    return time.perf_counter() - start
+
+
+async def median_s(fn: Callable[[], Awaitable[object]], repeats: int = 20) -> float:
+    return statistics.median([await timed(fn) for _ in range(repeats)])
+
+
+async def measure(slots: int, mib: int, rounds: int, desc: str) -> dict[str, Any]:
+    """Arbiter and raw switch samples on `slots` shared procs, plus the hop costs."""
+    async with start_runtime(gpus_per_host=slots) as rm:
+        request = ResourceRequest("rl", 1, slots)
+        # The raw tensors first, so that the tenants' first pauses see them resident (the
+        # proc's leak tracker compares later pauses with the first).
+        raw = (await rm.allocate(request, owner="raw")).procs.spawn("raw", RawSwitch, mib)
+        raw_pids = values(await raw.pid.call())
+        a = await rm.spawn("a", MemoryTenant, await rm.allocate(request, owner="a"), mib, 1)
+        await rm.spawn("b", MemoryTenant, await rm.allocate(request, owner="b"), mib, 2)
+        tenant_pids = [m["pid"] for m in values(await a.memory.call())]
+        if raw_pids != tenant_pids:
+            raise RuntimeError("the raw actor is not on the tenants' procs")
+        switch_s: list[float] = []
+        raw_s: list[float] = []
+        for r in tqdm(range(rounds + 1), desc=desc, unit="round"):
+            for target in ("b", "a"):
+                took = await timed(lambda t=target: rm.wake(t))
+                slowest = max(values(await raw.switch.call(target)))
+                if r:  # round 0 warms up
+                    switch_s += [took]
+                    raw_s += [slowest]
+        await check_awake(rm, "a")
+        one_a = select(a, hosts=0, gpus=0)
+        hops = {"arbiter_rtt_s": await median_s(rm.status),
+                "tenant_rtt_s": await median_s(one_a.describe.call_one),
+                "rss_read_s": statistics.median(timeit.repeat(
+                    lambda: telemetry.read_pid(tenant_pids[0]), number=1, repeat=20))}
+    return {"slots": slots, "mib": mib, "rounds": rounds, "switch_s": switch_s,
+            "raw_s": raw_s, "switch_median_s": statistics.median(switch_s),
+            "raw_median_s": statistics.median(raw_s), **hops}
+
+
+async def check_awake(rm: ResourceManager, name: str) -> None:
+    for slots in (await rm.status()).values():
+        for tenants in slots.values():
+            if [n for n, stages in tenants.items() if stages] != [name]:
+                raise RuntimeError(f"expected only {name} awake: {tenants}")
+
+
+def machine() -> dict[str, Any]:
+    return {"platform": platform.platform(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+
+
+def table(big: dict[str, Any], small: dict[str, Any]) -> tuple[list[list[str]], dict[str, Any]]:
+    ratio = big["switch_median_s"] / big["raw_median_s"]
+    control_ms = (small["switch_median_s"] - small["raw_median_s"]) * 1e3
+    big_name = f"{big['mib']} MiB x{big['slots']} slot"
+    small_name = f"{small['mib']} MiB x{small['slots']} slots"
+    rows = [
+        [f"arbiter switch s ({big_name})", f"{big['switch_median_s']:.4f}", "", ""],
+        [f"raw switch s ({big_name})", f"{big['raw_median_s']:.4f}", "", ""],
+        ["overhead ratio arbiter/raw", f"{ratio:.3f}", f"<= {MAX_RATIO}",
+         "PASS" if ratio <= MAX_RATIO else "FAIL"],
+        [f"arbiter switch ms ({small_name})", f"{small['switch_median_s'] * 1e3:.2f}", "", ""],
+        [f"raw switch ms, max over slots ({small_name})", f"{small['raw_median_s'] * 1e3:.2f}",
+         "", ""],
+        ["control overhead ms per switch", f"{control_ms:.2f}", f"<= {MAX_CONTROL_MS}",
+         "PASS" if control_ms <= MAX_CONTROL_MS else "FAIL"],
+    ]
+    for run, name in ((big, big_name), (small, small_name)):
+        rows += [[f"client->arbiter round trip ms ({name})", f"{run['arbiter_rtt_s'] * 1e3:.2f}",
+                  "", ""],
+                 [f"client->tenant round trip ms ({name})", f"{run['tenant_rtt_s'] * 1e3:.2f}",
+                  "", ""],
+                 [f"RSS read by pid ms ({name})", f"{run['rss_read_s'] * 1e3:.3f}", "", ""]]
+    return rows, {"ratio": ratio, "control_overhead_ms": control_ms}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--slots", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--control-slots", type=int, default=8)
+    parser.add_argument("--control-mib", type=int, default=1)
+    parser.add_argument("--control-rounds", type=int, default=50)
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_switch/results.json"))
+    args = parser.parse_args(argv)
+    # The procs unpickle RawSwitch as bench.switch.RawSwitch: they need the repo root.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    command = shlex.join(sys.orig_argv)
+    info = machine()
+    print(f"machine: {info['platform']}, {info['cpus']} CPUs, torch {info['torch']}, "
+          f"cuda {info['cuda']} | command: {command}")
+    big = asyncio.run(measure(args.slots, args.mib, args.rounds, "overhead ratio"))
+    small = asyncio.run(measure(args.control_slots, args.control_mib, args.control_rounds,
+                                "control overhead"))
+    rows, verdicts = table(big, small)
+    print("| metric | value | target | verdict |\n|---|---:|---:|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": info, "command": command, **verdicts,
+                                    "overhead": big, "control": small, "table": rows},
+                                   indent=2))
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run as the module `bench.switch`, so the actor class has a name the procs can import.
+    from bench.switch import main as module_main
+
+    sys.exit(module_main())
