@@ -119,8 +119,8 @@ class FailingSleepTenant(MemoryTenant):
         self.healthy_sleeps = healthy_sleeps
 
     @endpoint
-    def sleep(self) -> None:
+    def sleep(self) -> int:
         if self.healthy_sleeps <= 0:
             raise RuntimeError("injected sleep failure")
         self.healthy_sleeps -= 1
-        self.tenancy.sleep()
+        return self.tenancy.sleep()

@@ -181,17 +181,17 @@ def test_a_tenant_whose_sleep_fails_leaves_a_consistent_reported_state(isolated)
 class LyingHandle(LocalTenantHandle):
     """A buggy tenant: says it sleeps, keeps its memory (a fault we inject on purpose)."""
 
-    async def sleep(self) -> None:
-        return None
+    async def sleep(self) -> int:
+        return memory.resident_bytes("liar/weights")  # claims it, releases nothing
 
 
 class FailingWakeHandle(LocalTenantHandle):
     """A tenant whose cache stage cannot come back (e.g. out of memory)."""
 
-    async def wake(self, stage: str) -> None:
-        if stage == "kv_cache":
+    async def wake(self, stages) -> None:
+        await super().wake([s for s in stages if s != "kv_cache"])
+        if "kv_cache" in stages:
             raise MemoryError("no room for the KV cache")
-        await super().wake(stage)
 
 
 def faults_scenario() -> dict:
@@ -253,7 +253,7 @@ def test_faults_roll_back_and_say_who_is_awake(isolated):
     assert "it was woken again" in out["release_error"]
     assert "other was not woken" in out["release_error"]
     assert out["after_release_error"] == {"liar": ["weights"], "other": []}
-    assert "gen failed to wake stage 'kv_cache'" in out["wake_error"]
+    assert "gen failed to wake ['weights', 'kv_cache']: no room" in out["wake_error"]
     assert out["after_wake_error"] == {"trainer": ["weights"], "gen": []}
     assert out["trainer_intact"]
     assert out["staged"] == {"trainer": [], "gen": ["weights"]}

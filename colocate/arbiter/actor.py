@@ -8,7 +8,7 @@ subclass's endpoints must be sync too (Monarch does not mix the two in one class
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -39,12 +39,12 @@ class TenantActor(Actor):
         return self._tenancy
 
     @endpoint
-    def sleep(self) -> None:
-        self.tenancy.sleep()
+    def sleep(self) -> int:
+        return self.tenancy.sleep()
 
     @endpoint
-    def wake(self, stage: str) -> None:
-        self.tenancy.wake(stage)
+    def wake(self, stages: list[str]) -> None:
+        self.tenancy.wake(stages)
 
     @endpoint
     def describe(self) -> TenantInfo:
@@ -68,13 +68,13 @@ class ActorTenantHandle:
     name: str
     actor: Any
 
-    async def sleep(self) -> None:
+    async def sleep(self) -> int:
         async with remote_errors():
-            await self.actor.sleep.call_one()
+            return await self.actor.sleep.call_one()
 
-    async def wake(self, stage: str) -> None:
+    async def wake(self, stages: Sequence[str]) -> None:
         async with remote_errors():
-            await self.actor.wake.call_one(stage)
+            await self.actor.wake.call_one(list(stages))
 
     async def describe(self) -> TenantInfo:
         async with remote_errors():

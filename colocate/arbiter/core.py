@@ -102,8 +102,10 @@ class SlotArbiter:
 
     # -- measurement ------------------------------------------------------------------
 
-    def _reading(self, slot: Slot) -> telemetry.MemoryReading:
-        info = next(iter(slot.infos.values()))
+    def _reading(self, slot: Slot, name: str | None = None) -> telemetry.MemoryReading:
+        """The memory of `name`'s process (CPU) or device (GPU); by default the slot's
+        first tenant's (colocated tenants share one)."""
+        info = slot.infos[name] if name else next(iter(slot.infos.values()))
         if info.device == "cpu":
             return telemetry.read_pid(info.pid)
         return telemetry.read_gpu_uuid(info.device)
@@ -116,11 +118,11 @@ class SlotArbiter:
                                "budget policy needs ArbiterConfig.slot_capacity_bytes")
         return capacity - reading.used_bytes
 
-    async def _released(self, slot: Slot, before: int, expected: int) -> int:
-        """Poll until the slot's memory fell by the expected share; returns the drop seen."""
+    async def _released(self, slot: Slot, name: str, before: int, expected: int) -> int:
+        """Poll until `name`'s memory fell by the expected share; returns the drop seen."""
         deadline = time.monotonic() + self.config.release_timeout_s
         while True:
-            drop = before - self._reading(slot).used_bytes
+            drop = before - self._reading(slot, name).used_bytes
             if drop >= self.config.release_fraction * expected or time.monotonic() > deadline:
                 return drop
             await asyncio.sleep(0.002)
@@ -260,15 +262,18 @@ class SlotArbiter:
 
     async def _wake_on(self, slot: Slot, name: str, stages: Sequence[str] | None) -> None:
         handle = slot.tenants[name]
-        info = await self._call(f"{name}.describe", handle.describe())
-        slot.infos[name] = info
-        unknown = [s for s in stages or () if s not in info.stages]
+        known = slot.infos[name].stages  # fixed at registration
+        unknown = [s for s in stages or () if s not in known]
         if unknown:
-            raise ArbiterError(f"{name} has no stage(s) {unknown}; its stages: {info.stages}")
-        todo = [s for s in (stages or info.stages) if s not in slot.awake.get(name, ())]
+            raise ArbiterError(f"{name} has no stage(s) {unknown}; its stages: {known}")
+        todo = [s for s in (stages or known) if s not in slot.awake.get(name, ())]
         if not todo:
             return
-        needed = info.tagged_bytes - info.resident_bytes
+        needed = 0
+        if isinstance(self.policy, Budget):  # only the budget needs the tenant's size
+            info = await self._call(f"{name}.describe", handle.describe())
+            slot.infos[name] = info
+            needed = info.tagged_bytes - info.resident_bytes
         slept: list[tuple[str, tuple[str, ...]]] = []
         try:
             while victim := self.policy.next_victim(
@@ -281,16 +286,13 @@ class SlotArbiter:
         except BaseException:
             await self._rewake(slot, slept)
             raise
-        done = list(slot.awake.get(name, ()))
-        for stage in todo:
-            try:
-                await self._call(f"{name}.wake({stage})", handle.wake(stage))
-            except BaseException as err:
-                await self._undo_wake(slot, name, slept)
-                raise SwitchError(f"{name} failed to wake stage {stage!r}: {err}; rolled back: "
-                                  f"{slot.who()}") from err
-            done.append(stage)
-            slot.mark(name, done)
+        try:
+            await self._call(f"{name}.wake({todo})", handle.wake(todo))
+        except BaseException as err:
+            await self._undo_wake(slot, name, slept)
+            raise SwitchError(f"{name} failed to wake {todo}: {err}; rolled back: "
+                              f"{slot.who()}") from err
+        slot.mark(name, [*slot.awake.get(name, ()), *todo])
         self._check(slot)
 
     def _require_room(self, slot: Slot, name: str, needed: int) -> None:
@@ -313,8 +315,7 @@ class SlotArbiter:
     async def _rewake(self, slot: Slot, slept: list[tuple[str, tuple[str, ...]]]) -> None:
         for victim, stages in slept:
             try:
-                for stage in stages:
-                    await self._call(f"{victim}.wake({stage})", slot.tenants[victim].wake(stage))
+                await self._call(f"{victim}.wake", slot.tenants[victim].wake(stages))
                 slot.mark(victim, stages)
             except Exception:
                 await self._learn(slot, victim)
@@ -322,27 +323,25 @@ class SlotArbiter:
     async def _sleep_verified(self, slot: Slot, name: str, waking: str | None = None) -> None:
         """Sleep `name` on `slot` and measure that its memory came back; else restore it."""
         handle = slot.tenants[name]
-        if not slot.awake.get(name):
+        awake_stages = slot.awake.get(name)
+        if not awake_stages:
             return
-        info = await self._call(f"{name}.describe", handle.describe())
-        slot.infos[name] = info
-        before = self._reading(slot).used_bytes
+        before = self._reading(slot, name).used_bytes
         not_woken = f"; {waking} was not woken" if waking else ""
         try:
-            await self._call(f"{name}.sleep", handle.sleep())
+            expected = await self._call(f"{name}.sleep", handle.sleep())
         except BaseException as err:
             await self._learn(slot, name)
             raise SwitchError(f"{name} failed to sleep on slot {slot.index}: {err}; "
                               f"{slot.who()}{not_woken}") from err
         slot.mark(name, ())
         slot.unknown.discard(name)
-        expected = info.resident_bytes
         if expected < self.config.min_verified_bytes:
             return
-        drop = await self._released(slot, before, expected)
+        drop = await self._released(slot, name, before, expected)
         if drop >= self.config.release_fraction * expected:
             return
-        await self._rewake(slot, [(name, info.awake_stages)])
+        await self._rewake(slot, [(name, awake_stages)])
         raise ReleaseNotVerifiedError(
             f"{name} slept on slot {slot.index} but only {drop / 2**20:.1f} of its "
             f"{expected / 2**20:.1f} MiB came back within {self.config.release_timeout_s} s "

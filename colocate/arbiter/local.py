@@ -8,6 +8,7 @@ machines without Monarch.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from colocate.arbiter.tenant import TaggedTenant, TenantInfo
@@ -18,11 +19,11 @@ class LocalTenantHandle:
     name: str
     tenant: TaggedTenant
 
-    async def sleep(self) -> None:
-        await asyncio.to_thread(self.tenant.sleep)
+    async def sleep(self) -> int:
+        return await asyncio.to_thread(self.tenant.sleep)
 
-    async def wake(self, stage: str) -> None:
-        await asyncio.to_thread(self.tenant.wake, stage)
+    async def wake(self, stages: Sequence[str]) -> None:
+        await asyncio.to_thread(self.tenant.wake, stages)
 
     async def describe(self) -> TenantInfo:
         return await asyncio.to_thread(self.tenant.describe)

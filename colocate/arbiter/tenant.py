@@ -9,7 +9,7 @@ own sleep (vLLM) implement the same three calls.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,8 +35,14 @@ class TenantHandle(Protocol):
 
     name: str
 
-    async def sleep(self) -> None: ...
-    async def wake(self, stage: str) -> None: ...
+    async def sleep(self) -> int:
+        """Release every stage; returns the bytes it held (what the arbiter expects back)."""
+        ...
+
+    async def wake(self, stages: Sequence[str]) -> None:
+        """Bring `stages` back, in that order."""
+        ...
+
     async def describe(self) -> TenantInfo: ...
 
 
@@ -63,18 +69,26 @@ class TaggedTenant:
         known = set(memory.tags())
         return [stage for stage, tag in self.stages.items() if tag in known]
 
-    def sleep(self) -> None:
-        """Pause every awake stage, caches first."""
+    def sleep(self) -> int:
+        """Pause every awake stage, caches first; returns the bytes they held."""
+        released = 0
         for stage in reversed(self._known()):
-            if memory.state(self.stages[stage]) is memory.TagState.ACTIVE:
-                memory.pause(self.stages[stage])
+            tag = self.stages[stage]
+            if memory.state(tag) is memory.TagState.ACTIVE:
+                released += memory.resident_bytes(tag)
+                memory.pause(tag)
+        return released
 
-    def wake(self, stage: str) -> None:
-        if stage not in self.stages:
-            raise KeyError(f"unknown stage {stage!r}; stages are {list(self.stages)}")
-        tag = self.stages[stage]
-        if tag in memory.tags() and memory.state(tag) is memory.TagState.PAUSED:
-            memory.resume(tag)
+    def wake(self, stages: Sequence[str]) -> None:
+        """Resume `stages` in order (stages with no memory yet need nothing)."""
+        unknown = [stage for stage in stages if stage not in self.stages]
+        if unknown:
+            raise KeyError(f"unknown stage(s) {unknown}; stages are {list(self.stages)}")
+        known = set(memory.tags())
+        for stage in stages:
+            tag = self.stages[stage]
+            if tag in known and memory.state(tag) is memory.TagState.PAUSED:
+                memory.resume(tag)
 
     def ensure_awake(self) -> None:
         """Raise `TagPausedError` unless every stage is awake: call before computing."""

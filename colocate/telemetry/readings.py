@@ -58,10 +58,14 @@ def read_cpu(include_uss: bool = False) -> MemoryReading:
     return MemoryReading("cpu", process.memory_info().rss, time.time())
 
 
+_others: dict[int, psutil.Process] = {}
+
+
 def read_pid(pid: int) -> MemoryReading:
     """The RSS of another process of this host (how an arbiter measures a CPU slot)."""
     try:
-        rss = psutil.Process(pid).memory_info().rss
+        process = _others.get(pid) or _others.setdefault(pid, psutil.Process(pid))
+        rss = process.memory_info().rss
     except psutil.Error as e:
         raise TelemetryError(f"cannot read memory of process {pid}: {e}") from e
     return MemoryReading(f"pid:{pid}", rss, time.time())
