@@ -28,6 +28,7 @@ class Replica:
     in_flight: int = 0
     served: int = 0
     busy_s: float = 0.0
+    respawned: int = 0
     _since: float = field(default_factory=time.monotonic)
 
     @property

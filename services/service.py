@@ -55,8 +55,9 @@ class Service:
     """A set of replicas of one actor class, colocated through the resource manager."""
 
     def __init__(self, name: str, config: ServiceConfig, actor_class: type, rm: ResourceManager,
-                 replicas: list[Replica]) -> None:
+                 replicas: list[Replica], args: tuple = (), kwargs: dict | None = None) -> None:
         self.name, self.config, self.actor_class, self.rm = name, config, actor_class, rm
+        self.args, self.kwargs = args, kwargs or {}
         self.replicas = replicas
         self.router = make_router(config.router)
         self.endpoints = {n for n, v in inspect.getmembers(actor_class)
@@ -64,7 +65,10 @@ class Service:
         self.sessions: dict[str, int] = {}
         self._session_ids = itertools.count()
         self.closed = False
+        self.respawns: dict[int, asyncio.Task] = {}
+        self._loop = asyncio.get_running_loop()
         rm.drainers.append(self._drain)
+        rm.failure_listeners.append(self._on_failure)
 
     def __getattr__(self, name: str) -> ServiceEndpoint:
         if name.startswith("_") or name not in self.__dict__.get("endpoints", ()):
@@ -151,9 +155,40 @@ class Service:
         replicas = self._routable(set()) or replicas
         return list(await asyncio.gather(*(r.call(endpoint, args, kwargs) for r in replicas)))
 
-    def _fail(self, replica: Replica, err: BaseException) -> None:
-        logger.warning("service %r replica %d failed: %s", self.name, replica.index, err)
-        replica.mark_failed(f"{type(err).__name__}: {str(err).splitlines()[0]}")
+    def _fail(self, replica: Replica, err: BaseException | str) -> None:
+        if replica.health is not Health.HEALTHY:
+            return
+        why = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+        logger.warning("service %r replica %d failed: %s", self.name, replica.index, why)
+        replica.mark_failed(why.splitlines()[0])
+        if self.config.respawn and not self.closed and replica.index not in self.respawns:
+            self.respawns[replica.index] = asyncio.ensure_future(self._respawn(replica))
+
+    def _on_failure(self, tenant: str, why: str) -> None:
+        """Monarch supervision saw `tenant` fail (called on Monarch's thread)."""
+        for replica in self.replicas:
+            if replica.tenant == tenant:
+                self._loop.call_soon_threadsafe(self._fail, replica, why)
+
+    async def _respawn(self, replica: Replica) -> None:
+        """Start the replica again on new procs for the same slots; until then, calls go
+        to the other replicas."""
+        try:
+            await self.rm.remove(replica.tenant, replica.actors)
+            allocation = await self.rm.replace_procs(replica.allocation)
+            base, _, generation = replica.tenant.partition("_g")
+            tenant = f"{base}_g{int(generation or 0) + 1}"
+            actors = await self.rm.spawn(tenant, self.actor_class, allocation, *self.args,
+                                         **self.kwargs)
+            replica.tenant, replica.actors, replica.allocation = tenant, actors, allocation
+            replica.health, replica.failure, replica.respawned = Health.HEALTHY, None, \
+                replica.respawned + 1
+            logger.info("service %r replica %d is back as %s", self.name, replica.index, tenant)
+        except Exception:
+            logger.exception("service %r: respawning replica %d failed", self.name,
+                             replica.index)
+        finally:
+            self.respawns.pop(replica.index, None)
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[str]:
@@ -181,6 +216,8 @@ class Service:
         """Take no new calls, let the ones in flight finish, then stop the replicas' actors
         and free their procs (the resource group keeps its procs for other services)."""
         self.closed = True
+        for task in list(self.respawns.values()):
+            await task
         await self._drain({r.tenant for r in self.replicas}, grace_s)
         for replica in self.replicas:
             if replica.health is not Health.STOPPED:
@@ -189,6 +226,8 @@ class Service:
                 replica.health = Health.STOPPED
         if self._drain in self.rm.drainers:
             self.rm.drainers.remove(self._drain)
+        if self._on_failure in self.rm.failure_listeners:
+            self.rm.failure_listeners.remove(self._on_failure)
 
 
 def _is_fault(err: ActorError) -> bool:

@@ -40,7 +40,7 @@ async def spawn_service(config: ServiceConfig, actor_class: type, *args: Any,
     allocations = [await rm.allocate(request, owner=name) for _ in range(config.num_replicas)]
     replicas = []
     for index, allocation in enumerate(allocations):
-        tenant = f"{name}.r{index}"
+        tenant = f"{name}_r{index}"  # Monarch drops dots from mesh names
         actors = await rm.spawn(tenant, actor_class, allocation, *args, **kwargs)
         replicas.append(Replica(index, tenant, allocation, actors))
-    return Service(name, config, actor_class, rm, replicas)
+    return Service(name, config, actor_class, rm, replicas, args, kwargs)

@@ -83,11 +83,11 @@ async def test_when_asleep_policies():
     async with start_runtime(gpus_per_host=2) as rm:
         trainer, generator = await colocated(rm, when_asleep="fail")
         await rm.wake(trainer.tenant_names()[0])
-        with pytest.raises(ServiceAsleepError, match=r"'generator'.*awake now: trainer.r0"):
+        with pytest.raises(ServiceAsleepError, match=r"'generator'.*awake now: trainer_r0"):
             await generator.work.route(1)
         generator.config = ServiceConfig(**{**generator.config.__dict__, "when_asleep": "wake"})
         assert await generator.work.route(2) == 2  # woke a replica on demand
-        assert rm.awake[generator.replicas[0].tenant] and not rm.awake["trainer.r0"]
+        assert rm.awake[generator.replicas[0].tenant] and not rm.awake["trainer_r0"]
         generator.config = ServiceConfig(**{**generator.config.__dict__, "when_asleep": "wait",
                                             "wait_timeout_s": 0.3})
         async with phase(trainer):
@@ -113,3 +113,41 @@ async def test_sessions_stick_and_errors_reach_the_caller():
                 await generator.work.route(1)
             with pytest.raises(AttributeError, match="no endpoint 'nope'"):
                 generator.nope  # noqa: B018
+
+
+async def test_a_killed_replica_loses_no_request_and_comes_back():
+    import os
+    import signal
+
+    async with start_runtime(gpus_per_host=2) as rm:
+        generator = await spawn_service(
+            ServiceConfig(num_replicas=2, procs_per_host=1, resource_group="gen",
+                          router="round_robin"), MemoryTenant, 8, 2, name="generator")
+        victim = generator.replicas[0]
+        pid = (await victim.actors.memory.call_one())["pid"]
+
+        async def client(start: int):
+            out = []
+            for i in range(60):
+                out.append(await generator.work.route(start + i))
+                await asyncio.sleep(0.01)
+            return out
+
+        clients = [asyncio.create_task(client(1000 * c)) for c in range(4)]
+        await asyncio.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        results = await asyncio.gather(*clients)
+        assert results == [list(range(1000 * c, 1000 * c + 60)) for c in range(4)]
+        for _ in range(600):  # the replica comes back on a new proc for the same slot
+            if victim.health.value == "healthy" and victim.respawned:
+                break
+            await asyncio.sleep(0.1)
+        assert victim.respawned == 1 and victim.health.value == "healthy", victim.failure
+        assert victim.allocation.slots == ((0, 0),)
+        new_pid = (await victim.actors.memory.call_one())["pid"]
+        assert new_pid != pid
+        assert "generator_r0" in rm.failed  # seen by Monarch supervision, not only by a call
+        assert victim.tenant == "generator_r0_g1" and not rm.routable("generator_r0")
+        answers = await asyncio.gather(*(generator.work.route(i) for i in range(10)))
+        assert answers == list(range(10))
+        assert (await victim.actors.counts.call_one())["awake"] > 0  # it serves again

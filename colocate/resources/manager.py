@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import monarch.actor
 from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
 from monarch.actor import Actor, default_bootstrap_cmd, endpoint
 
@@ -45,6 +46,18 @@ def select(mesh: Any, **ranges: int | slice) -> Any:
     "hosts" dim: its one host is always index 0)."""
     present = {dim: r for dim, r in ranges.items() if dim in mesh.extent.labels}
     return mesh.slice(**present) if present else mesh
+
+
+def _bootstrap(env: Callable[[dict[str, int]], dict[str, str]]) -> Callable[[Any], Any]:
+    """A bootstrap command for each proc with `env(its coordinates)` added: set before the
+    proc starts, so CUDA sees only its slot's GPU."""
+
+    def command(point: Any) -> BootstrapCommand:
+        base = default_bootstrap_cmd()
+        return BootstrapCommand(base.program, base.arg0, base.args,
+                                {**(base.env or {}), **env(dict(point))})
+
+    return command
 
 
 class ProcProbe(Actor):
@@ -99,9 +112,26 @@ class ResourceManager:
         self.awake: dict[str, bool] = {}  # name -> fully awake on all its slots (last view)
         self.drainers: list[Callable[[set[str]], Awaitable[None]]] = []
         self._switching: Counter[str] = Counter()
+        self.failed: set[str] = set()  # tenants whose actors died
+        self.failure_listeners: list[Callable[[str, str], None]] = []
+        self.extra_procs: list[tuple[Any, list[int]]] = []  # replacement procs, their pids
         self.arbiter_config = arbiter_config
         self._arbiter_procs: Any = None
         self.arbiters: Any = None
+
+    def on_fault(self, failure: Any) -> None:
+        """Monarch's unhandled-fault hook: a mesh failed (a proc died, an actor crashed).
+
+        The tenant it belongs to is marked failed and listeners (services) are told; the
+        fault counts as handled, so the client goes on. Runs on Monarch's thread: listeners
+        must only record and schedule."""
+        mesh = getattr(failure, "mesh_name", "")
+        tenant = mesh.rsplit("-", 1)[0]
+        logger.warning("mesh failure: %s", str(failure).splitlines()[0])
+        if tenant in self.tenants and tenant not in self.failed:
+            self.failed.add(tenant)
+            for listener in self.failure_listeners:
+                listener(tenant, str(failure))
 
     async def _start_arbiters(self) -> None:
         self._arbiter_procs = self.job.mesh.spawn_procs(per_host={"procs": 1})
@@ -135,19 +165,13 @@ class ResourceManager:
         hosts = select(self.job.mesh, hosts=slice(first, first + count))
         virtual = self.virtual or not placement.with_gpus
 
-        def bootstrap(point: Any) -> BootstrapCommand:
-            coords = dict(point)
-            host, proc = coords.get("hosts", 0), coords["gpus"]
-            gpus = placement.gpus[host]
-            env = {SLOT_ENV: str(gpus[proc] if gpus else proc)}
-            if not virtual:
-                env["CUDA_VISIBLE_DEVICES"] = str(gpus[proc])
-            base = default_bootstrap_cmd()
-            return BootstrapCommand(base.program, base.arg0, base.args,
-                                    {**(base.env or {}), **env})
+        def env(point: dict[str, int]) -> dict[str, str]:
+            gpus = placement.gpus[point.get("hosts", 0)]
+            slot = gpus[point["gpus"]] if gpus else point["gpus"]
+            return {SLOT_ENV: str(slot), **({} if virtual else {"CUDA_VISIBLE_DEVICES": str(slot)})}
 
         return hosts.spawn_procs(per_host={"gpus": placement.procs_per_host},
-                                 bootstrap_command=bootstrap)
+                                 bootstrap_command=_bootstrap(env))
 
     async def allocate(self, request: ResourceRequest, owner: str) -> Allocation:
         """A slice of the group's procs for `owner`, first fit among the procs that `owner`
@@ -209,14 +233,15 @@ class ResourceManager:
         return actors
 
     async def remove(self, name: str, actors: Any) -> None:
-        """Stop a tenant's actors and forget it (its procs stay with their group)."""
+        """Stop a tenant's actors (unless they died) and forget it; its procs stay."""
         by_host = self._by_host(name)
         async with remote_errors():
             await asyncio.gather(*(self.arbiter(h).unregister.call_one(name, slots)
                                    for h, slots in by_host.items()))
         for table in (self.tenants, self.stages, self.awake):
             table.pop(name, None)
-        await actors.stop()
+        if name not in self.failed:
+            await actors.stop()
 
     def _by_host(self, name: str) -> dict[int, list[int]]:
         if name not in self.tenants:
@@ -266,8 +291,29 @@ class ResourceManager:
             for name, slots in self.tenants.items()}
 
     def routable(self, name: str) -> bool:
-        """Fully awake on all its slots, and no switch in flight may put it to sleep."""
-        return self.awake.get(name, False) and self._switching[name] <= 0
+        """Alive, fully awake on all its slots, and no switch in flight may put it to sleep."""
+        return (self.awake.get(name, False) and self._switching[name] <= 0
+                and name not in self.failed)
+
+    async def replace_procs(self, allocation: Allocation) -> Allocation:
+        """New procs for the slots of an allocation whose procs died (same hosts, same
+        slots and CUDA_VISIBLE_DEVICES). The group's other procs are left as they are."""
+        group = self.groups[allocation.group]
+        virtual = self.virtual or not group.placement.with_gpus
+        hosts = sorted({h for h, _ in allocation.slots})
+        slots = allocation.slots
+        per_host = allocation.procs_per_host
+
+        def env(point: dict[str, int]) -> dict[str, str]:
+            _, slot = slots[point.get("hosts", 0) * per_host + point["gpus"]]
+            return {SLOT_ENV: str(slot), **({} if virtual else {"CUDA_VISIBLE_DEVICES": str(slot)})}
+
+        procs = select(self.job.mesh, hosts=slice(hosts[0], hosts[-1] + 1)).spawn_procs(
+            per_host={"gpus": per_host}, bootstrap_command=_bootstrap(env))
+        info = await procs.spawn("probe", ProcProbe).info.call()
+        self.extra_procs.append((procs, [value["pid"] for _, value in info.items()]))
+        return Allocation(allocation.group, allocation.owner, procs, slots, allocation.hosts,
+                          per_host)
 
     async def status(self) -> dict[int, dict[int, dict[str, list[str] | None]]]:
         """host -> slot -> tenant -> awake stages ([] asleep, None unknown)."""
@@ -295,6 +341,9 @@ class ResourceManager:
         """Stop every group, the arbiters and the hosts: gracefully, then by force."""
         for group in list(self.groups):
             await self.release(group, grace_s)
+        for procs, pids in self.extra_procs:
+            await _stop(procs, pids, grace_s)
+        self.extra_procs = []
         if self._arbiter_procs is not None:
             await _stop(self._arbiter_procs, [], grace_s)
             self._arbiter_procs = None
@@ -345,6 +394,7 @@ async def init(scheduler: Any = "local", hosts: int = 1, gpus_per_host: int | No
     job = await asyncio.to_thread(start_hosts, scheduler, hosts, **options)
     rm = ResourceManager(job, gpus_per_host, virtual=found == 0,
                          arbiter_config=arbiter or ArbiterConfig())
+    monarch.actor.unhandled_fault_hook = rm.on_fault
     try:
         await rm._start_arbiters()
     except BaseException:
