@@ -29,6 +29,8 @@ class Replica:
     served: int = 0
     busy_s: float = 0.0
     respawned: int = 0
+    draining: bool = False  # scaling down: takes no new calls
+    load: float = 0.0  # busy fraction over the autoscaler's last interval
     _since: float = field(default_factory=time.monotonic)
 
     @property

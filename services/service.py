@@ -16,6 +16,7 @@ wake it, or fail with `ServiceAsleepError`. Every call ends in a result or an ex
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import itertools
 import logging
@@ -29,6 +30,8 @@ from monarch.actor import ActorError
 
 from colocate.memory import TagPausedError
 from colocate.resources.manager import ResourceManager
+from colocate.resources.packing import ResourceRequest
+from services.autoscaler import Autoscaler
 from services.config import ServiceConfig
 from services.errors import ServiceAsleepError, ServiceClosedError, ServiceUnavailableError
 from services.replica import Health, Replica
@@ -55,18 +58,21 @@ class Service:
     """A set of replicas of one actor class, colocated through the resource manager."""
 
     def __init__(self, name: str, config: ServiceConfig, actor_class: type, rm: ResourceManager,
-                 replicas: list[Replica], args: tuple = (), kwargs: dict | None = None) -> None:
+                 request: ResourceRequest, args: tuple = (), kwargs: dict | None = None) -> None:
         self.name, self.config, self.actor_class, self.rm = name, config, actor_class, rm
-        self.args, self.kwargs = args, kwargs or {}
-        self.replicas = replicas
+        self.request, self.args, self.kwargs = request, args, kwargs or {}
+        self.replicas: list[Replica] = []
+        self.autoscaler: Autoscaler | None = None
         self.router = make_router(config.router)
         self.endpoints = {n for n, v in inspect.getmembers(actor_class)
                           if isinstance(v, EndpointProperty)}
         self.sessions: dict[str, int] = {}
         self._session_ids = itertools.count()
         self.closed = False
+        self.waiting = 0  # calls waiting for a replica
         self.respawns: dict[int, asyncio.Task] = {}
         self._loop = asyncio.get_running_loop()
+        self._context = contextvars.copy_context()  # the client's Monarch context
         rm.drainers.append(self._drain)
         rm.failure_listeners.append(self._on_failure)
 
@@ -82,7 +88,7 @@ class Service:
     # -- routing -------------------------------------------------------------------------
 
     def _routable(self, exclude: set[int]) -> list[Replica]:
-        return [r for r in self.replicas if r.health is Health.HEALTHY
+        return [r for r in self.replicas if r.health is Health.HEALTHY and not r.draining
                 and r.index not in exclude and self.rm.routable(r.tenant)]
 
     def _awake_elsewhere(self) -> str:
@@ -90,6 +96,13 @@ class Service:
         return ", ".join(awake) or "nothing"
 
     async def _pick(self, session: str | None, exclude: set[int]) -> Replica:
+        self.waiting += 1
+        try:
+            return await self._wait_for_replica(session, exclude)
+        finally:
+            self.waiting -= 1
+
+    async def _wait_for_replica(self, session: str | None, exclude: set[int]) -> Replica:
         deadline = time.monotonic() + self.config.wait_timeout_s
         woken = False
         while True:
@@ -168,7 +181,7 @@ class Service:
         """Monarch supervision saw `tenant` fail (called on Monarch's thread)."""
         for replica in self.replicas:
             if replica.tenant == tenant:
-                self._loop.call_soon_threadsafe(self._fail, replica, why)
+                self._loop.call_soon_threadsafe(self._fail, replica, why, context=self._context)
 
     async def _respawn(self, replica: Replica) -> None:
         """Start the replica again on new procs for the same slots; until then, calls go
@@ -199,6 +212,31 @@ class Service:
         finally:
             self.sessions.pop(session, None)
 
+    # -- replicas ----------------------------------------------------------------------
+
+    async def add_replica(self) -> Replica:
+        """Allocate procs in the service's resource group and start one more replica."""
+        index = len(self.replicas)
+        allocation = await self.rm.allocate(self.request, owner=self.name)
+        tenant = f"{self.name}_r{index}"  # Monarch drops dots from mesh names
+        try:
+            actors = await self.rm.spawn(tenant, self.actor_class, allocation, *self.args,
+                                         **self.kwargs)
+        except BaseException:
+            self.rm.free(allocation)
+            raise
+        replica = Replica(index, tenant, allocation, actors)
+        self.replicas.append(replica)
+        return replica
+
+    async def remove_replica(self, replica: Replica, grace_s: float | None = None) -> None:
+        """Stop routing to the replica, let its calls finish, then stop it and free its procs."""
+        replica.draining = True
+        await self._drain({replica.tenant}, grace_s)
+        await self.rm.remove(replica.tenant, replica.actors)
+        self.rm.free(replica.allocation)
+        replica.health = Health.STOPPED
+
     # -- switches and shutdown --------------------------------------------------------
 
     async def _drain(self, tenants: set[str], timeout_s: float | None = None) -> None:
@@ -216,14 +254,14 @@ class Service:
         """Take no new calls, let the ones in flight finish, then stop the replicas' actors
         and free their procs (the resource group keeps its procs for other services)."""
         self.closed = True
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
         for task in list(self.respawns.values()):
             await task
         await self._drain({r.tenant for r in self.replicas}, grace_s)
         for replica in self.replicas:
             if replica.health is not Health.STOPPED:
-                await self.rm.remove(replica.tenant, replica.actors)
-                self.rm.free(replica.allocation)
-                replica.health = Health.STOPPED
+                await self.remove_replica(replica, grace_s)
         if self._drain in self.rm.drainers:
             self.rm.drainers.remove(self._drain)
         if self._on_failure in self.rm.failure_listeners:

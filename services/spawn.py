@@ -7,8 +7,8 @@ from typing import Any
 
 from colocate.resources.manager import ResourceManager, current
 from colocate.resources.packing import ResourceRequest
+from services.autoscaler import Autoscaler
 from services.config import ServiceConfig
-from services.replica import Replica
 from services.service import Service
 
 _names = itertools.count()
@@ -35,12 +35,12 @@ async def spawn_service(config: ServiceConfig, actor_class: type, *args: Any,
     config.check_fits(rm.inventory.num_hosts, rm.inventory.gpus_per_host)
     group = config.resource_group or name
     request = ResourceRequest(group, config.hosts_per_replica, config.procs, config.with_gpus)
-    if group not in rm.groups:
-        await rm.reserve(_group_for(request, config.num_replicas, rm.inventory.gpus_per_host))
-    allocations = [await rm.allocate(request, owner=name) for _ in range(config.num_replicas)]
-    replicas = []
-    for index, allocation in enumerate(allocations):
-        tenant = f"{name}_r{index}"  # Monarch drops dots from mesh names
-        actors = await rm.spawn(tenant, actor_class, allocation, *args, **kwargs)
-        replicas.append(Replica(index, tenant, allocation, actors))
-    return Service(name, config, actor_class, rm, replicas, args, kwargs)
+    if group not in rm.groups:  # room for max_replicas, so scaling up finds procs
+        await rm.reserve(_group_for(request, config.max, rm.inventory.gpus_per_host))
+    service = Service(name, config, actor_class, rm, request, args, kwargs)
+    for _ in range(config.num_replicas):
+        await service.add_replica()
+    if config.min != config.max:
+        service.autoscaler = Autoscaler(service)
+        service.autoscaler.start()
+    return service
