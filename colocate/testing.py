@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -72,6 +73,7 @@ class MemoryTenant(TenantActor):
         with self.tenancy.region("cache", device=device):
             self.cache = torch.zeros(mib << 18, device=device)
         self.served = {"awake": 0, "asleep": 0}
+        self.asleep_at: list[float] = []  # when calls reached it asleep: for diagnosis
 
     @endpoint
     def checksum(self) -> str:
@@ -86,18 +88,21 @@ class MemoryTenant(TenantActor):
         return float(self.cache[-1])
 
     @endpoint
-    def work(self, x: int) -> int:
-        """Serve a request: counted, and counted apart when it reached this tenant asleep
-        (a router that respects the arbiter never lets that happen)."""
+    def work(self, x: int, seconds: float = 0.0) -> int:
+        """Serve a request (taking `seconds`): counted, and counted apart when it reached
+        this tenant asleep (a router that respects the arbiter never lets that happen)."""
+        time.sleep(seconds)
         asleep = self.tenancy.describe().awake_stages != tuple(self.stages)
         self.served["asleep" if asleep else "awake"] += 1
+        if asleep:
+            self.asleep_at.append(time.time())
         if not asleep:
             self.cache[0] = x
         return x
 
     @endpoint
-    def counts(self) -> dict[str, int]:
-        return dict(self.served)
+    def counts(self) -> dict[str, Any]:
+        return {**self.served, "asleep_at": self.asleep_at}
 
     @endpoint
     def memory(self) -> dict[str, int]:

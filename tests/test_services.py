@@ -151,3 +151,30 @@ async def test_a_killed_replica_loses_no_request_and_comes_back():
         answers = await asyncio.gather(*(generator.work.route(i) for i in range(10)))
         assert answers == list(range(10))
         assert (await victim.actors.counts.call_one())["awake"] > 0  # it serves again
+
+
+async def test_autoscaling_goes_up_under_load_and_down_when_idle():
+    async with start_runtime(gpus_per_host=3):
+        config = ServiceConfig(num_replicas=1, min_replicas=1, max_replicas=3,
+                               procs_per_host=1, resource_group="gen",
+                               scale_up_queue_depth=2, scale_cooldown_s=0.5,
+                               scale_down_utilization=0.05)
+        generator = await spawn_service(config, MemoryTenant, 1, 2, name="generator")
+        scaler = generator.autoscaler
+        assert scaler is not None
+
+        async def client(start: int):
+            return [await generator.work.route(start + i, 0.05) for i in range(40)]
+
+        results = await asyncio.gather(*(client(1000 * c) for c in range(12)))
+        assert results == [list(range(1000 * c, 1000 * c + 40)) for c in range(12)]
+        peak = max(count for _, count, _ in scaler.history)
+        assert peak >= 2, scaler.history
+        for _ in range(100):  # idle: back down to min_replicas
+            if len(scaler.live()) == 1:
+                break
+            await asyncio.sleep(0.1)
+        assert len(scaler.live()) == 1, scaler.history
+        assert all(1 <= count <= 3 for _, count, _ in scaler.history)
+        assert await generator.work.route(7) == 7
+        await generator.shutdown()

@@ -254,13 +254,13 @@ class ResourceManager:
     async def wake(self, name: str, stages: list[str] | None = None) -> None:
         """Make `name` awake on all its slots; its hosts switch in parallel."""
         by_host = self._by_host(name)
-        await self._switch(self._neighbours(name), [
+        await self._switch(self._neighbours(name), lambda: [
             self.arbiter(h).wake.call_one(name, slots, stages) for h, slots in by_host.items()])
 
     async def sleep(self, name: str) -> None:
         """Put `name` to sleep on all its slots, verified."""
         by_host = self._by_host(name)
-        await self._switch({name}, [
+        await self._switch({name}, lambda: [
             self.arbiter(h).sleep.call_one(name, slots) for h, slots in by_host.items()])
 
     def _neighbours(self, name: str) -> set[str]:
@@ -269,14 +269,17 @@ class ResourceManager:
         return {other for other, slots in self.tenants.items()
                 if other != name and mine.intersection(slots)}
 
-    async def _switch(self, touched: set[str], calls: list[Any]) -> None:
-        """Run arbiter calls that may put `touched` to sleep: first stop routing to them and
-        let the drainers (services) finish their in-flight requests; after, refresh `awake`."""
+    async def _switch(self, touched: set[str], calls: Callable[[], list[Any]]) -> None:
+        """Make arbiter calls that may put `touched` to sleep: first stop routing to them and
+        let the drainers (services) finish their in-flight requests; after, refresh `awake`.
+
+        `calls` makes the calls only when invoked: a Monarch call is sent when it is made,
+        not when it is awaited, so making them before the drain would race it."""
         self._switching.update(touched)
         try:
             await asyncio.gather(*(drain(touched) for drain in self.drainers))
             async with remote_errors():
-                await asyncio.gather(*calls)
+                await asyncio.gather(*calls())
         finally:
             try:
                 await self._refresh()  # before routing resumes: the old view is stale now
