@@ -29,10 +29,11 @@ from monarch._src.actor.endpoint import EndpointProperty
 from monarch.actor import ActorError
 
 from colocate.memory import TagPausedError
-from colocate.resources.manager import ResourceManager
+from colocate.resources.manager import Allocation, ResourceManager
 from colocate.resources.packing import ResourceRequest
 from services.autoscaler import Autoscaler
 from services.config import ServiceConfig
+from services.distributed import setup_distributed
 from services.errors import ServiceAsleepError, ServiceClosedError, ServiceUnavailableError
 from services.replica import Health, Replica
 from services.router import make_router
@@ -191,8 +192,7 @@ class Service:
             allocation = await self.rm.replace_procs(replica.allocation)
             base, _, generation = replica.tenant.partition("_g")
             tenant = f"{base}_g{int(generation or 0) + 1}"
-            actors = await self.rm.spawn(tenant, self.actor_class, allocation, *self.args,
-                                         **self.kwargs)
+            actors = await self._start(tenant, allocation)
             replica.tenant, replica.actors, replica.allocation = tenant, actors, allocation
             replica.health, replica.failure, replica.respawned = Health.HEALTHY, None, \
                 replica.respawned + 1
@@ -220,14 +220,21 @@ class Service:
         allocation = await self.rm.allocate(self.request, owner=self.name)
         tenant = f"{self.name}_r{index}"  # Monarch drops dots from mesh names
         try:
-            actors = await self.rm.spawn(tenant, self.actor_class, allocation, *self.args,
-                                         **self.kwargs)
+            actors = await self._start(tenant, allocation)
         except BaseException:
             self.rm.free(allocation)
             raise
         replica = Replica(index, tenant, allocation, actors)
         self.replicas.append(replica)
         return replica
+
+    async def _start(self, tenant: str, allocation: Allocation) -> Any:
+        """Spawn the replica's actors; a multi-proc replica first gets its torch.distributed
+        environment (RANK, WORLD_SIZE, MASTER_ADDR...), read by the actors' __init__."""
+        if len(allocation.slots) > 1:
+            await setup_distributed(allocation)
+        return await self.rm.spawn(tenant, self.actor_class, allocation, *self.args,
+                                   **self.kwargs)
 
     async def remove_replica(self, replica: Replica, grace_s: float | None = None) -> None:
         """Stop routing to the replica, let its calls finish, then stop it and free its procs."""

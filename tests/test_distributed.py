@@ -99,3 +99,15 @@ async def test_shape_must_match_the_mesh():
         alloc = await rm.allocate(ResourceRequest("dist", 1, 2), owner="x")
         with pytest.raises(ValueError, match="1 host\\(s\\) x 2 procs"):
             await setup_distributed(alloc.procs, hosts=2, procs_per_host=1)
+
+
+async def test_a_multi_proc_service_replica_gets_its_environment():
+    from services import ServiceConfig, spawn_service
+
+    async with start_runtime(gpus_per_host=2):
+        svc = await spawn_service(ServiceConfig(procs_per_host=2, with_gpus=True),
+                                  AllReduceProbe, name="dp")
+        seen = [v for _, v in (await svc.replicas[0].actors.seen.call()).items()]
+        assert sorted(s["RANK"] for s in seen) == ["0", "1"]
+        assert {s["WORLD_SIZE"] for s in seen} == {"2"}
+        assert await svc.all_reduce.route() == {"rank": 0, "world": 2, "sum": 1}

@@ -112,7 +112,8 @@ class ResourceManager:
         self.awake: dict[str, bool] = {}  # name -> fully awake on all its slots (last view)
         self.drainers: list[Callable[[set[str]], Awaitable[None]]] = []
         self._switching: Counter[str] = Counter()
-        self.failed: set[str] = set()  # tenants whose actors died
+        self.spawned: set[str] = set()  # every actor mesh name spawned, tenant or not
+        self.failed: set[str] = set()  # spawned meshes whose actors died
         self.failure_listeners: list[Callable[[str, str], None]] = []
         self.extra_procs: list[tuple[Any, list[int]]] = []  # replacement procs, their pids
         self.arbiter_config = arbiter_config
@@ -128,7 +129,7 @@ class ResourceManager:
         mesh = getattr(failure, "mesh_name", "")
         tenant = mesh.rsplit("-", 1)[0]
         logger.warning("mesh failure: %s", str(failure).splitlines()[0])
-        if tenant in self.tenants and tenant not in self.failed:
+        if tenant in self.spawned and tenant not in self.failed:
             self.failed.add(tenant)
             for listener in self.failure_listeners:
                 listener(tenant, str(failure))
@@ -219,6 +220,7 @@ class ResourceManager:
         if name in self.tenants:
             raise ArbiterError(f"a tenant named {name!r} already exists; names are unique")
         actors = allocation.procs.spawn(name, actor_class, *args, **kwargs)
+        self.spawned.add(name)
         if not issubclass(actor_class, TenantActor):
             return actors
         self.tenants[name] = list(allocation.slots)
@@ -233,13 +235,14 @@ class ResourceManager:
         return actors
 
     async def remove(self, name: str, actors: Any) -> None:
-        """Stop a tenant's actors (unless they died) and forget it; its procs stay."""
-        by_host = self._by_host(name)
-        async with remote_errors():
-            await asyncio.gather(*(self.arbiter(h).unregister.call_one(name, slots)
-                                   for h, slots in by_host.items()))
+        """Stop spawned actors (unless they died) and forget them; their procs stay."""
+        if name in self.tenants:
+            async with remote_errors():
+                await asyncio.gather(*(self.arbiter(h).unregister.call_one(name, slots)
+                                       for h, slots in self._by_host(name).items()))
         for table in (self.tenants, self.stages, self.awake):
             table.pop(name, None)
+        self.spawned.discard(name)
         if name not in self.failed:
             await actors.stop()
 
@@ -294,9 +297,13 @@ class ResourceManager:
             for name, slots in self.tenants.items()}
 
     def routable(self, name: str) -> bool:
-        """Alive, fully awake on all its slots, and no switch in flight may put it to sleep."""
-        return (self.awake.get(name, False) and self._switching[name] <= 0
-                and name not in self.failed)
+        """Alive and, for a tenant, fully awake on all its slots with no switch in flight
+        that may put it to sleep. Actors that are not tenants never sleep."""
+        if name in self.failed or name not in self.spawned:
+            return False
+        if name not in self.tenants:
+            return True
+        return self.awake.get(name, False) and self._switching[name] <= 0
 
     async def replace_procs(self, allocation: Allocation) -> Allocation:
         """New procs for the slots of an allocation whose procs died (same hosts, same
