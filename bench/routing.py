@@ -30,9 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -44,9 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench.common import announce  # noqa: E402
 from colocate import phase  # noqa: E402
 from colocate.testing import MemoryTenant, start_runtime  # noqa: E402
 from services import Service, ServiceConfig, spawn_service  # noqa: E402
@@ -167,11 +164,6 @@ def rows_for(run: dict[str, Any], clients: int) -> list[list[str]]:
     return rows
 
 
-def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "cuda": torch.cuda.is_available()}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000, help="sequential calls per way")
@@ -182,13 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/bench_routing/results.json"))
     args = parser.parse_args(argv)
-    # The procs unpickle the tenant by module name: give them the repo root, as the client.
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    command = shlex.join(sys.orig_argv)
-    info = machine()
-    print(f"machine: {info['platform']}, {info['cpus']} CPUs, torch {info['torch']}, "
-          f"cuda {info['cuda']} | command: {command}")
+    info, command = announce()
     begin = time.perf_counter()
     runs = asyncio.run(run(args))
     rows = [row for r in runs for row in rows_for(r, args.clients)]

@@ -32,8 +32,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -51,6 +49,7 @@ import torch  # noqa: E402
 from monarch.actor import Actor, endpoint  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench.common import announce  # noqa: E402
 from colocate import memory, telemetry  # noqa: E402
 from colocate.resources.manager import ResourceManager, select  # noqa: E402
 from colocate.resources.packing import ResourceRequest  # noqa: E402
@@ -155,11 +154,6 @@ async def check_awake(rm: ResourceManager, name: str) -> None:
                 raise RuntimeError(f"expected only {name} awake: {tenants}")
 
 
-def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "cuda": torch.cuda.is_available()}
-
-
 def table(big: dict[str, Any], small: dict[str, Any]) -> tuple[list[list[str]], dict[str, Any]]:
     ratio = big["switch_median_s"] / big["raw_median_s"]
     control_ms = (small["switch_median_s"] - small["raw_median_s"]) * 1e3
@@ -195,13 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control-rounds", type=int, default=50)
     parser.add_argument("--out", type=Path, default=Path("runs/bench_switch/results.json"))
     args = parser.parse_args(argv)
-    # The procs unpickle RawSwitch as bench.switch.RawSwitch: they need the repo root.
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    command = shlex.join(sys.orig_argv)
-    info = machine()
-    print(f"machine: {info['platform']}, {info['cpus']} CPUs, torch {info['torch']}, "
-          f"cuda {info['cuda']} | command: {command}")
+    info, command = announce()
     big = asyncio.run(measure(args.slots, args.mib, args.rounds, "overhead ratio"))
     small = asyncio.run(measure(args.control_slots, args.control_mib, args.control_rounds,
                                 "control overhead"))
