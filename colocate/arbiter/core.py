@@ -363,6 +363,3 @@ class SlotArbiter:
                          for name in slot.tenants}
             for slot in self.slots.values()
         }
-
-    def describe(self) -> str:
-        return "; ".join(slot.who() for slot in self.slots.values())
