@@ -133,10 +133,20 @@ async def test_a_killed_replica_loses_no_request_and_comes_back():
                 await asyncio.sleep(0.01)
             return out
 
-        clients = [asyncio.create_task(client(1000 * c)) for c in range(4)]
-        await asyncio.sleep(0.2)
-        os.kill(pid, signal.SIGKILL)
-        results = await asyncio.gather(*clients)
+        async with generator.session() as session:  # a session on the replica to kill
+            while generator.sessions.get(session) != victim.index:
+                generator.sessions.pop(session, None)
+                await generator.work.route(0, session=session)
+            clients = [asyncio.create_task(client(1000 * c)) for c in range(4)]
+            await asyncio.sleep(0.2)
+            os.kill(pid, signal.SIGKILL)
+            for _ in range(1000):
+                if victim.health.value == "failed":
+                    break
+                await asyncio.sleep(0.01)
+            assert await generator.work.route(5, session=session) == 5
+            assert generator.sessions[session] == 1  # the session moved
+            results = await asyncio.gather(*clients)
         assert results == [list(range(1000 * c, 1000 * c + 60)) for c in range(4)]
         for _ in range(600):  # the replica comes back on a new proc for the same slot
             if victim.health.value == "healthy" and victim.respawned:
