@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+pytest_plugins = ["colocate.testing"]
+
 
 def run_isolated(fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None) -> Any:
     """Run `fn(*args)` in a new spawned Python process (with `env` added to its

@@ -302,3 +302,42 @@ def test_config_errors_name_the_field():
         ArbiterConfig(release_fraction=0)
     with pytest.raises(ValueError, match="call_timeout_s"):
         ArbiterConfig(call_timeout_s=0)
+
+
+class SlowWakeHandle(LocalTenantHandle):
+    """A tenant whose wake takes a while (a large load from disk, say)."""
+
+    async def wake(self, stages) -> None:
+        await asyncio.sleep(0.5)
+        await super().wake(stages)
+
+
+def timeout_scenario() -> dict:
+    async def run():
+        arbiter = SlotArbiter([0], ArbiterConfig(request_timeout_s=0.1))
+        slow, slow_weights, _ = make_tenant("slow", 4, seed=1)
+        other, other_weights, _ = make_tenant("other", 4, seed=2)
+        await arbiter.register(0, LocalTenantHandle("other", other))
+        await arbiter.register(0, SlowWakeHandle("slow", slow))
+        first = asyncio.create_task(arbiter.wake("slow"))  # holds slot 0 for 0.5 s
+        await asyncio.sleep(0.01)
+        out = {}
+        try:
+            await arbiter.wake("other")
+        except ArbiterError as err:
+            out["error"], out["kind"] = str(err), type(err).__name__
+        await first
+        out["status"] = arbiter.status()[0]
+        await arbiter.wake("other")  # the slot is free again
+        out["after"] = arbiter.status()[0]
+        return out
+
+    return asyncio.run(run())
+
+
+def test_a_request_that_waits_too_long_for_its_slot_times_out(isolated):
+    out = isolated(timeout_scenario)
+    assert out["kind"] == "ArbiterTimeoutError"
+    assert "waited 0.1 s for slot(s) [0]" in out["error"]
+    assert out["status"] == {"other": [], "slow": ["weights"]}
+    assert out["after"] == {"other": ["weights"], "slow": []}
