@@ -10,7 +10,12 @@ from typing import Any
 
 import pytest
 
-pytest_plugins = ["colocate.testing"]
+try:  # the GPU machine runs tests/gpu in plain processes, without Monarch
+    import monarch  # noqa: F401
+
+    pytest_plugins = ["colocate.testing"]
+except ImportError:
+    pytest_plugins = []
 
 
 def run_isolated(fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None) -> Any:
