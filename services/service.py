@@ -154,19 +154,18 @@ class Service:
                     continue  # put to sleep under us: not a failure; route again
                 if not _is_fault(err):
                     raise err.exception from None  # the endpoint's own error: the caller's
-                self._fail(replica, err)
-                failed.add(replica.index)
-                if len(failed) > self.config.max_retries:
-                    raise
+                fault: Exception = err
             except Exception as err:  # the replica's proc is gone, or unreachable
-                self._fail(replica, err)
-                failed.add(replica.index)
-                if len(failed) > self.config.max_retries:
-                    raise
+                fault = err
+            self._fail(replica, fault)
+            failed.add(replica.index)
+            if len(failed) > self.config.max_retries:
+                raise fault
 
     async def _fanout(self, endpoint: str, args: tuple, kwargs: dict) -> list[Any]:
-        replicas = self._routable(set()) or [await self._pick(None, set())]
-        replicas = self._routable(set()) or replicas
+        """Every awake, healthy replica; when none is, the when_asleep policy first."""
+        picked = None if self._routable(set()) else await self._pick(None, set())
+        replicas = self._routable(set()) or [picked]
         return list(await asyncio.gather(*(r.call(endpoint, args, kwargs) for r in replicas)))
 
     def _fail(self, replica: Replica, err: BaseException | str) -> None:
