@@ -48,6 +48,11 @@ def select(mesh: Any, **ranges: int | slice) -> Any:
     return mesh.slice(**present) if present else mesh
 
 
+def _slot_env(slot: int, virtual: bool) -> dict[str, str]:
+    """A slot proc's environment: its slot, and on a real GPU only that GPU visible."""
+    return {SLOT_ENV: str(slot), **({} if virtual else {"CUDA_VISIBLE_DEVICES": str(slot)})}
+
+
 def _bootstrap(env: Callable[[dict[str, int]], dict[str, str]]) -> Callable[[Any], Any]:
     """A bootstrap command for each proc with `env(its coordinates)` added: set before the
     proc starts, so CUDA sees only its slot's GPU."""
@@ -168,8 +173,7 @@ class ResourceManager:
 
         def env(point: dict[str, int]) -> dict[str, str]:
             gpus = placement.gpus[point.get("hosts", 0)]
-            slot = gpus[point["gpus"]] if gpus else point["gpus"]
-            return {SLOT_ENV: str(slot), **({} if virtual else {"CUDA_VISIBLE_DEVICES": str(slot)})}
+            return _slot_env(gpus[point["gpus"]] if gpus else point["gpus"], virtual)
 
         return hosts.spawn_procs(per_host={"gpus": placement.procs_per_host},
                                  bootstrap_command=_bootstrap(env))
@@ -316,7 +320,7 @@ class ResourceManager:
 
         def env(point: dict[str, int]) -> dict[str, str]:
             _, slot = slots[point.get("hosts", 0) * per_host + point["gpus"]]
-            return {SLOT_ENV: str(slot), **({} if virtual else {"CUDA_VISIBLE_DEVICES": str(slot)})}
+            return _slot_env(slot, virtual)
 
         procs = select(self.job.mesh, hosts=slice(hosts[0], hosts[-1] + 1)).spawn_procs(
             per_host={"gpus": per_host}, bootstrap_command=_bootstrap(env))
