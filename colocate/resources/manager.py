@@ -221,19 +221,25 @@ class ResourceManager:
                     *args: Any, **kwargs: Any) -> Any:
         """Spawn `actor_class` on the allocation's procs. A `TenantActor` is registered with
         its hosts' arbiters (and put to sleep where another tenant is awake)."""
-        if name in self.tenants:
-            raise ArbiterError(f"a tenant named {name!r} already exists; names are unique")
+        if name in self.spawned:
+            raise ArbiterError(f"actors named {name!r} already exist; names are unique")
         actors = allocation.procs.spawn(name, actor_class, *args, **kwargs)
         self.spawned.add(name)
         if not issubclass(actor_class, TenantActor):
             return actors
         self.tenants[name] = list(allocation.slots)
         per_host = allocation.procs_per_host
-        async with remote_errors():
-            infos = await asyncio.gather(*(
-                self.arbiter(host).register.call_one(
-                    slot, name, select(actors, hosts=i // per_host, gpus=i % per_host))
-                for i, (host, slot) in enumerate(allocation.slots)))
+        try:
+            async with remote_errors():
+                infos = await asyncio.gather(*(
+                    self.arbiter(host).register.call_one(
+                        slot, name, select(actors, hosts=i // per_host, gpus=i % per_host))
+                    for i, (host, slot) in enumerate(allocation.slots)))
+        except BaseException:  # registered nowhere, or everywhere it was undone
+            await asyncio.gather(*(self.arbiter(host).unregister.call_one(name, [slot])
+                                   for host, slot in allocation.slots), return_exceptions=True)
+            self.tenants.pop(name)
+            raise
         self.stages[name] = infos[0].stages
         await self._refresh()
         return actors
