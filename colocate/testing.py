@@ -92,7 +92,7 @@ class MemoryTenant(TenantActor):
         """Serve a request (taking `seconds`): counted, and counted apart when it reached
         this tenant asleep (a router that respects the arbiter never lets that happen)."""
         time.sleep(seconds)
-        asleep = self.tenancy.describe().awake_stages != tuple(self.stages)
+        asleep = self.tenancy.awake_stages() != tuple(self.stages)
         self.served["asleep" if asleep else "awake"] += 1
         if asleep:
             self.asleep_at.append(time.time())

@@ -10,14 +10,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
+def _least_recently_woken(waking: str, awake: Sequence[str]) -> str | None:
+    return next((name for name in awake if name != waking), None)
+
+
 @dataclass(frozen=True)
 class Exclusive:
     """One awake tenant per slot (the default)."""
 
     def next_victim(self, waking: str, awake: Sequence[str], needed_bytes: int,
                     free_bytes: int | None) -> str | None:
-        others = [name for name in awake if name != waking]
-        return others[0] if others else None
+        return _least_recently_woken(waking, awake)
 
 
 @dataclass(frozen=True)
@@ -32,13 +35,11 @@ class Budget:
 
     def next_victim(self, waking: str, awake: Sequence[str], needed_bytes: int,
                     free_bytes: int | None) -> str | None:
-        if free_bytes is None:
-            raise ValueError("the budget policy needs the slot's capacity: on CPU slots set "
-                             "ArbiterConfig.slot_capacity_bytes")
-        if free_bytes >= needed_bytes + self.headroom_bytes:
+        # free_bytes is always measured here: the arbiter raises first when a slot has no
+        # known capacity (ArbiterConfig.slot_capacity_bytes on CPU slots)
+        if free_bytes is not None and free_bytes >= needed_bytes + self.headroom_bytes:
             return None
-        others = [name for name in awake if name != waking]
-        return others[0] if others else None
+        return _least_recently_woken(waking, awake)
 
 
 POLICIES = {"exclusive": Exclusive, "budget": Budget}

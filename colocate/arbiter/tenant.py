@@ -95,16 +95,19 @@ class TaggedTenant:
         for stage in self._known():
             memory.ensure_active(self.stages[stage])
 
+    def awake_stages(self) -> tuple[str, ...]:
+        """The stages awake now, in wake order (a stage with no memory yet counts as awake)."""
+        known = set(self._known())
+        return tuple(s for s in self.stages if s not in known
+                     or memory.state(self.stages[s]) is memory.TagState.ACTIVE)
+
     def describe(self) -> TenantInfo:
         known = self._known()
-        awake = tuple(s for s in known
-                      if memory.state(self.stages[s]) is memory.TagState.ACTIVE)
-        awake += tuple(s for s in self.stages if s not in known)  # no memory yet: nothing asleep
         return TenantInfo(
             pid=os.getpid(),
             device=_device(),
             stages=tuple(self.stages),
-            awake_stages=tuple(s for s in self.stages if s in awake),
+            awake_stages=self.awake_stages(),
             resident_bytes=sum(memory.resident_bytes(self.stages[s]) for s in known),
             tagged_bytes=sum(memory.tagged_bytes(self.stages[s]) for s in known),
         )
