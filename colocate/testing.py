@@ -124,8 +124,8 @@ class FailingSleepTenant(MemoryTenant):
         self.healthy_sleeps = healthy_sleeps
 
     @endpoint
-    def sleep(self) -> int:
+    def sleep(self, stages: list[str] | None = None) -> int:
         if self.healthy_sleeps <= 0:
             raise RuntimeError("injected sleep failure")
         self.healthy_sleeps -= 1
-        return self.tenancy.sleep()
+        return self.tenancy.sleep(stages)

@@ -31,16 +31,21 @@ class TenantActor(Actor):
     stages: ClassVar[dict[str, bool]] = {"state": True}
 
     @property
+    def tenant_name(self) -> str:
+        """The name this tenant has at the arbiter (its actor mesh's name)."""
+        return current_actor_name().split("<", 1)[0]
+
+    @property
     def tenancy(self) -> TaggedTenant:
         if "_tenancy" not in self.__dict__:
-            prefix = current_actor_name()
+            prefix = self.tenant_name
             self._tenancy = TaggedTenant({s: f"{prefix}/{s}" for s in self.stages},
                                          backup=dict(self.stages))
         return self._tenancy
 
     @endpoint
-    def sleep(self) -> int:
-        return self.tenancy.sleep()
+    def sleep(self, stages: list[str] | None = None) -> int:
+        return self.tenancy.sleep(stages)
 
     @endpoint
     def wake(self, stages: list[str]) -> None:
@@ -49,6 +54,13 @@ class TenantActor(Actor):
     @endpoint
     def describe(self) -> TenantInfo:
         return self.tenancy.describe()
+
+    @endpoint
+    def receive(self, source: str) -> int:
+        """Take the weights of tenant `source`, which lives in this process; returns the
+        bytes copied. Tenants that take weights (generators) override this."""
+        raise TypeError(f"{type(self).__name__} takes no weights: only a tenant that "
+                        f"overrides receive() can be the target of a handoff from {source}")
 
 
 @asynccontextmanager
@@ -68,9 +80,9 @@ class ActorTenantHandle:
     name: str
     actor: Any
 
-    async def sleep(self) -> int:
+    async def sleep(self, stages: Sequence[str] | None = None) -> int:
         async with remote_errors():
-            return await self.actor.sleep.call_one()
+            return await self.actor.sleep.call_one(None if stages is None else list(stages))
 
     async def wake(self, stages: Sequence[str]) -> None:
         async with remote_errors():
@@ -79,6 +91,10 @@ class ActorTenantHandle:
     async def describe(self) -> TenantInfo:
         async with remote_errors():
             return await self.actor.describe.call_one()
+
+    async def receive(self, source: str) -> int:
+        async with remote_errors():
+            return await self.actor.receive.call_one(source)
 
 
 class Arbiter(Actor):
@@ -106,6 +122,12 @@ class Arbiter(Actor):
     @concurrent_endpoint
     async def sleep(self, name: str, slots: list[int] | None = None) -> None:
         await self.core.sleep(name, slots)
+
+    @concurrent_endpoint
+    async def handoff(self, source: str, target: str, slots: list[int] | None = None,
+                      keep: list[str] | None = None, first: list[str] | None = None) -> int:
+        return await self.core.handoff(source, target, slots, keep or ["weights"],
+                                       first or ["weights"])
 
     @concurrent_endpoint
     async def status(self) -> dict[int, dict[str, list[str] | None]]:

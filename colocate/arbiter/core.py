@@ -305,7 +305,7 @@ class SlotArbiter:
                          slept: list[tuple[str, tuple[str, ...]]]) -> None:
         """After a failed wake: put the tenant back to sleep, then wake whom it displaced."""
         try:
-            await self._call(f"{name}.sleep", slot.tenants[name].sleep())
+            await self._call(f"{name}.sleep", slot.tenants[name].sleep(None))
             slot.mark(name, ())
         except Exception:
             await self._learn(slot, name)
@@ -320,21 +320,25 @@ class SlotArbiter:
             except Exception:
                 await self._learn(slot, victim)
 
-    async def _sleep_verified(self, slot: Slot, name: str, waking: str | None = None) -> None:
-        """Sleep `name` on `slot` and measure that its memory came back; else restore it."""
+    async def _sleep_verified(self, slot: Slot, name: str, waking: str | None = None,
+                              stages: Sequence[str] | None = None) -> None:
+        """Sleep `name`'s `stages` (default: all) on `slot` and measure that their memory
+        came back; else wake them again and raise."""
         handle = slot.tenants[name]
-        awake_stages = slot.awake.get(name)
-        if not awake_stages:
+        awake_stages = slot.awake.get(name, ())
+        todo = [s for s in awake_stages if stages is None or s in stages]
+        if not todo:
             return
         before = self._reading(slot, name).used_bytes
         not_woken = f"; {waking} was not woken" if waking else ""
         try:
-            expected = await self._call(f"{name}.sleep", handle.sleep())
+            expected = await self._call(f"{name}.sleep", handle.sleep(
+                None if stages is None else todo))
         except BaseException as err:
             await self._learn(slot, name)
             raise SwitchError(f"{name} failed to sleep on slot {slot.index}: {err}; "
                               f"{slot.who()}{not_woken}") from err
-        slot.mark(name, ())
+        slot.mark(name, [s for s in awake_stages if s not in todo])
         slot.unknown.discard(name)
         if expected < self.config.min_verified_bytes:
             return
@@ -346,6 +350,71 @@ class SlotArbiter:
             f"{name} slept on slot {slot.index} but only {drop / 2**20:.1f} of its "
             f"{expected / 2**20:.1f} MiB came back within {self.config.release_timeout_s} s "
             f"(memory held outside its tags?); it was woken again: {slot.who()}{not_woken}")
+
+    # -- handoff: the one moment two tenants are partly awake ----------------------------
+
+    async def handoff(self, source: str, target: str, slots: Iterable[int] | None = None,
+                      keep: Sequence[str] = ("weights",), first: Sequence[str] = ("weights",)
+                      ) -> int:
+        """Pass weights from `source` to `target` on their shared slots, staged: `source`
+        sleeps all but `keep`, `target` wakes `first`, `target.receive(source)` copies, then
+        `source` sleeps and `target` wakes its other stages. Peak memory: `source`'s kept
+        stages + `target`'s first stages, never both tenants whole. Returns bytes copied.
+
+        On failure the slot goes back to `source` awake (as it was) and `target` asleep.
+        """
+        chosen = self._slots_of(target, slots)
+        self._slots_of(source, [s.index for s in chosen])
+        async with self._hold(chosen):
+            results = await asyncio.gather(
+                *(self._handoff_on(slot, source, target, keep, first) for slot in chosen),
+                return_exceptions=True)
+        self._raise_first(results, chosen)
+        return sum(results)
+
+    async def _handoff_on(self, slot: Slot, source: str, target: str, keep: Sequence[str],
+                          first: Sequence[str]) -> int:
+        source_stages = slot.awake.get(source, ())
+        if not set(keep) <= set(source_stages) or slot.unknown:
+            raise ArbiterError(f"handoff {source} -> {target} needs {source} awake with "
+                               f"{list(keep)} on slot {slot.index}: {slot.who()}")
+        for other in slot.awake_tenants():
+            if other not in (source, target):
+                await self._sleep_verified(slot, other, waking=target)
+        await self._sleep_verified(slot, target)
+        await self._sleep_verified(slot, source, waking=target,
+                                   stages=[s for s in source_stages if s not in keep])
+        handle = slot.tenants[target]
+        try:
+            await self._call(f"{target}.wake({list(first)})", handle.wake(first))
+            slot.mark(target, first)
+            copied = await self._call(f"{target}.receive({source})", handle.receive(source))
+            await self._sleep_verified(slot, source, waking=target)
+        except BaseException as err:
+            await self._undo_handoff(slot, source, target, source_stages)
+            raise SwitchError(f"handoff {source} -> {target} failed on slot {slot.index}: "
+                              f"{err}; rolled back: {slot.who()}") from err
+        rest = [s for s in slot.infos[target].stages if s not in first]
+        try:
+            await self._call(f"{target}.wake({rest})", handle.wake(rest))
+        except BaseException as err:
+            await self._undo_wake(slot, target, [])
+            raise SwitchError(f"{target} took {source}'s weights but failed to wake {rest}: "
+                              f"{err}; {slot.who()}") from err
+        slot.mark(target, [*first, *rest])
+        self._check(slot)
+        return copied
+
+    async def _undo_handoff(self, slot: Slot, source: str, target: str,
+                            source_stages: tuple[str, ...]) -> None:
+        """Target asleep, then source awake as before the handoff."""
+        try:
+            await self._call(f"{target}.sleep", slot.tenants[target].sleep(None))
+            slot.mark(target, ())
+        except Exception:
+            await self._learn(slot, target)
+            return
+        await self._rewake(slot, [(source, source_stages)])
 
     # -- queries -----------------------------------------------------------------------
 

@@ -10,20 +10,27 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from colocate.arbiter.tenant import TaggedTenant, TenantInfo
+from colocate.arbiter.tenant import TenantInfo
 
 
 @dataclass
 class LocalTenantHandle:
-    name: str
-    tenant: TaggedTenant
+    """`tenant` has sleep(stages)/wake(stages)/describe() (a `TaggedTenant`, or an engine),
+    and receive(source) when it takes weights."""
 
-    async def sleep(self) -> int:
-        return await asyncio.to_thread(self.tenant.sleep)
+    name: str
+    tenant: Any
+
+    async def sleep(self, stages: Sequence[str] | None = None) -> int:
+        return await asyncio.to_thread(self.tenant.sleep, stages)
 
     async def wake(self, stages: Sequence[str]) -> None:
         await asyncio.to_thread(self.tenant.wake, stages)
 
     async def describe(self) -> TenantInfo:
         return await asyncio.to_thread(self.tenant.describe)
+
+    async def receive(self, source: str) -> int:
+        return await asyncio.to_thread(self.tenant.receive, source)

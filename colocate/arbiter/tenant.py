@@ -35,8 +35,9 @@ class TenantHandle(Protocol):
 
     name: str
 
-    async def sleep(self) -> int:
-        """Release every stage; returns the bytes it held (what the arbiter expects back)."""
+    async def sleep(self, stages: Sequence[str] | None = None) -> int:
+        """Release `stages` (default: every stage); returns the bytes they held (what the
+        arbiter expects back)."""
         ...
 
     async def wake(self, stages: Sequence[str]) -> None:
@@ -44,6 +45,11 @@ class TenantHandle(Protocol):
         ...
 
     async def describe(self) -> TenantInfo: ...
+
+    async def receive(self, source: str) -> int:
+        """Copy the weights of tenant `source` (same process) into this tenant's awake
+        stages; returns the bytes copied. Only tenants that take weights implement it."""
+        ...
 
 
 @dataclass
@@ -69,10 +75,14 @@ class TaggedTenant:
         known = set(memory.tags())
         return [stage for stage, tag in self.stages.items() if tag in known]
 
-    def sleep(self) -> int:
-        """Pause every awake stage, caches first; returns the bytes they held."""
+    def sleep(self, stages: Sequence[str] | None = None) -> int:
+        """Pause `stages` (default: all) that are awake, caches first; returns the bytes
+        they held."""
+        self._check_stages(stages or ())
         released = 0
         for stage in reversed(self._known()):
+            if stages is not None and stage not in stages:
+                continue
             tag = self.stages[stage]
             if memory.state(tag) is memory.TagState.ACTIVE:
                 released += memory.resident_bytes(tag)
@@ -81,14 +91,23 @@ class TaggedTenant:
 
     def wake(self, stages: Sequence[str]) -> None:
         """Resume `stages` in order (stages with no memory yet need nothing)."""
-        unknown = [stage for stage in stages if stage not in self.stages]
-        if unknown:
-            raise KeyError(f"unknown stage(s) {unknown}; stages are {list(self.stages)}")
+        self._check_stages(stages)
         known = set(memory.tags())
         for stage in stages:
             tag = self.stages[stage]
             if tag in known and memory.state(tag) is memory.TagState.PAUSED:
                 memory.resume(tag)
+
+    def _check_stages(self, stages: Sequence[str]) -> None:
+        unknown = [stage for stage in stages if stage not in self.stages]
+        if unknown:
+            raise KeyError(f"unknown stage(s) {unknown}; stages are {list(self.stages)}")
+
+    def ensure_stage(self, stage: str) -> None:
+        """Raise `TagPausedError` unless `stage` is awake."""
+        self._check_stages([stage])
+        if self.stages[stage] in memory.tags():
+            memory.ensure_active(self.stages[stage])
 
     def ensure_awake(self) -> None:
         """Raise `TagPausedError` unless every stage is awake: call before computing."""

@@ -276,6 +276,29 @@ class ResourceManager:
         await self._switch({name}, lambda: [
             self.arbiter(h).sleep.call_one(name, slots) for h, slots in by_host.items()])
 
+    async def handoff(self, source: str, target: str, keep: list[str] | None = None,
+                      first: list[str] | None = None) -> int:
+        """Pass `source`'s weights to `target` on every slot they share, staged (see
+        `SlotArbiter.handoff`); returns the bytes copied on all slots. Afterwards `target`
+        is awake and `source` asleep there."""
+        by_host = self._by_host(target)
+        self._by_host(source)  # an unknown source fails here
+        apart = set(self.tenants[target]) - set(self.tenants[source])
+        if apart:
+            raise ArbiterError(f"handoff {source} -> {target}: {source} is not on {target}'s "
+                               f"(host, slot)s {sorted(apart)}; colocate them in one resource "
+                               "group, or sync through shared memory (services.sync_weights)")
+        copied = [0]
+
+        def calls() -> list[Any]:
+            async def on(host: int, slots: list[int]) -> None:
+                copied[0] += await self.arbiter(host).handoff.call_one(
+                    source, target, slots, keep, first)
+            return [on(h, slots) for h, slots in by_host.items()]
+
+        await self._switch(self._neighbours(target) | {source}, calls)
+        return copied[0]
+
     def _neighbours(self, name: str) -> set[str]:
         """The tenants that share a slot with `name`: a wake of `name` may put them to sleep."""
         mine = set(self.tenants[name])

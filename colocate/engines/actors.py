@@ -1,0 +1,112 @@
+"""The engines as colocated tenants: `TrainerActor` and `GeneratorActor` on Monarch procs.
+
+Both load the same Hugging Face directory (written by `llama.save_pretrained`), so they
+start with the same weights. A trainer and a generator spawned in one resource group share
+each proc; `ResourceManager.handoff(trainer, generator)` then passes the trainer's weights
+to the generator in place (see `SlotArbiter.handoff`). Across procs of one host the
+trainer's `export_weights` and the generator's `load_exported` go through shared memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from monarch.actor import endpoint
+
+from colocate.arbiter.actor import TenantActor
+from colocate.arbiter.tenant import TenantInfo
+from colocate.engines import generator, trainer
+from colocate.engines.llama import load_pretrained
+from colocate.engines.sampling import Completion, SamplingParams
+from colocate.engines.weights import (
+    WeightManifest,
+    digest,
+    export_weights,
+    import_weights,
+    published,
+)
+
+ENGINES = ("torch", "vllm")
+
+
+class TrainerActor(TenantActor):
+    """A `PolicyTrainer` on one proc; `train_step(loss_fn, batch)` runs one AdamW step."""
+
+    stages = trainer.STAGES
+
+    def __init__(self, model_dir: str, lr: float = 1e-3, **options: Any) -> None:
+        self.trainer = trainer.PolicyTrainer(load_pretrained(model_dir), lr=lr,
+                                             prefix=self.tenant_name, **options)
+        self.exports = 0
+
+    @endpoint
+    def sleep(self, stages: list[str] | None = None) -> int:
+        return self.trainer.sleep(stages)
+
+    @endpoint
+    def wake(self, stages: list[str]) -> None:
+        self.trainer.wake(stages)
+
+    @endpoint
+    def describe(self) -> TenantInfo:
+        return self.trainer.describe()
+
+    @endpoint
+    def train_step(self, loss_fn: trainer.LossFn, batch: Any) -> dict[str, float]:
+        return self.trainer.step(loss_fn, batch)
+
+    @endpoint
+    def export_weights(self) -> WeightManifest:
+        """The weights, in this host's shared memory, for a generator on other procs."""
+        self.exports += 1
+        return export_weights(self.trainer.named_weights(), self.tenant_name, self.exports)
+
+    @endpoint
+    def checksum(self) -> str:
+        return digest(self.trainer.named_weights())
+
+
+class GeneratorActor(TenantActor):
+    """A generator engine ("torch": `TorchGenerator`; "vllm": `VLLMGenerator`) on one proc."""
+
+    stages = generator.STAGES
+
+    def __init__(self, model_dir: str, engine: str = "torch", max_batch: int = 64,
+                 **options: Any) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"engine={engine!r}: use one of {ENGINES}")
+        if engine == "torch":
+            self.engine = generator.TorchGenerator(load_pretrained(model_dir), max_batch,
+                                                   prefix=self.tenant_name, **options)
+        else:
+            from colocate.engines.vllm_generator import VLLMGenerator
+
+            self.engine = VLLMGenerator(model_dir, max_batch=max_batch, **options)
+
+    @endpoint
+    def sleep(self, stages: list[str] | None = None) -> int:
+        return self.engine.sleep(stages)
+
+    @endpoint
+    def wake(self, stages: list[str]) -> None:
+        self.engine.wake(stages)
+
+    @endpoint
+    def describe(self) -> TenantInfo:
+        return self.engine.describe()
+
+    @endpoint
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        return self.engine.generate(prompts, params)
+
+    @endpoint
+    def receive(self, source: str) -> int:
+        return self.engine.load_weights(published(source))
+
+    @endpoint
+    def load_exported(self, manifest: WeightManifest) -> int:
+        return self.engine.load_weights(import_weights(manifest))
+
+    @endpoint
+    def checksum(self) -> str:
+        return digest(self.engine.named_weights())

@@ -1,0 +1,139 @@
+"""The built-in generator: batched sampling from a `Llama` over a preallocated KV cache.
+
+Its memory is two stages of one tenant: "weights" (kept across sleeps) and "kv_cache"
+(discarded), so a wake can bring the weights back first, take new weights, and only then
+hold the cache. Prompts are token ids, left-padded into batches of up to `max_batch` rows;
+every row samples with temperature and top-p until a stop token or `max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from colocate.arbiter.tenant import TaggedTenant, TenantInfo
+from colocate.engines.llama import KVCache, Llama
+from colocate.engines.sampling import Completion, SamplingParams
+from colocate.engines.weights import copy_weights, published
+
+STAGES = {"weights": True, "kv_cache": False}  # stage -> kept across a sleep
+
+
+class TorchGenerator:
+    """Generates with `model` on `device`; its memory is tagged under `prefix`."""
+
+    def __init__(self, model: Llama, max_batch: int = 64, prefix: str = "generator",
+                 device: str | torch.device | None = None) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch}: must be >= 1")
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tenancy = TaggedTenant({s: f"{prefix}/{s}" for s in STAGES}, backup=STAGES)
+        self.model = model.to(device).eval().requires_grad_(False)
+        self.tenancy.adopt(self.model, "weights")
+        with self.tenancy.region("kv_cache", device=device):
+            self.cache = KVCache.allocate(model.config, max_batch, device)
+        self.max_batch, self.device = max_batch, device
+
+    # -- the tenant's three calls ----------------------------------------------------------
+
+    def sleep(self, stages: Sequence[str] | None = None) -> int:
+        return self.tenancy.sleep(stages)
+
+    def wake(self, stages: Sequence[str]) -> None:
+        self.tenancy.wake(stages)
+
+    def describe(self) -> TenantInfo:
+        return self.tenancy.describe()
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy new weights (Hugging Face names) into the model's own tensors; returns the
+        bytes copied. Every name and shape is checked before anything is written."""
+        self.tenancy.ensure_stage("weights")
+        return copy_weights(self.model, named)
+
+    def receive(self, source: str) -> int:
+        """Load the weights tenant `source` published in this process."""
+        return self.load_weights(published(source))
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        self.tenancy.ensure_stage("weights")
+        return self.model.state_dict().items()
+
+    # -- generation --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams
+                 ) -> list[Completion]:
+        """One completion per prompt (token ids), in order."""
+        self.tenancy.ensure_awake()
+        limit = self.model.config.max_seq_len
+        too_long = [i for i, p in enumerate(prompts) if len(p) + params.max_new_tokens > limit]
+        if too_long or any(len(p) == 0 for p in prompts):
+            raise ValueError(f"prompts {too_long or 'with no tokens'} do not fit: each needs "
+                             f"1 <= prompt + max_new_tokens ({params.max_new_tokens}) <= "
+                             f"max_seq_len ({limit})")
+        rng = torch.Generator(device=self.device)
+        rng.manual_seed(params.seed if params.seed is not None else torch.seed())
+        out: list[Completion] = []
+        for i in range(0, len(prompts), self.max_batch):
+            out.extend(self._batch(prompts[i:i + self.max_batch], params, rng))
+        return out
+
+    def _batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+               rng: torch.Generator) -> list[Completion]:
+        b, width = len(prompts), max(len(p) for p in prompts)
+        tokens = torch.zeros(b, width, dtype=torch.long, device=self.device)
+        valid = torch.zeros(b, width + params.max_new_tokens, dtype=torch.bool,
+                            device=self.device)
+        for row, prompt in enumerate(prompts):  # left padding
+            tokens[row, width - len(prompt):] = torch.tensor(prompt, device=self.device)
+            valid[row, width - len(prompt):width] = True
+        positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(tokens, valid[:, :width], self.cache, 0, positions)[:, -1]
+        position = positions[:, -1:]
+        stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        sampled, logprobs = [], []
+        for step in range(params.max_new_tokens):
+            token, logprob = _sample(logits, params, rng)
+            sampled.append(token)
+            logprobs.append(logprob)
+            done |= torch.isin(token, stops)
+            if done.all() or step == params.max_new_tokens - 1:
+                break
+            valid[:, width + step] = True
+            position = position + 1
+            logits = self.model(token[:, None], valid[:, :width + step + 1], self.cache,
+                                width + step, position)[:, -1]
+        return _completions(torch.stack(sampled, 1), torch.stack(logprobs, 1), params)
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token per row and its log-probability under the sampling distribution."""
+    if params.greedy:
+        token = logits.argmax(-1)
+        return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
+    logprobs = (logits / params.temperature).log_softmax(-1)
+    if params.top_p < 1:
+        sorted_lp, order = logprobs.sort(-1, descending=True)
+        before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # mass above each token
+        sorted_lp = sorted_lp.masked_fill(before >= params.top_p, float("-inf"))
+        logprobs = torch.full_like(logprobs, float("-inf")).scatter(-1, order, sorted_lp)
+        logprobs = logprobs.log_softmax(-1)
+    token = torch.multinomial(logprobs.exp(), 1, generator=rng)[:, 0]
+    return token, logprobs.gather(-1, token[:, None])[:, 0]
+
+
+def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, params: SamplingParams
+                 ) -> list[Completion]:
+    out = []
+    stops = set(params.stop_token_ids)
+    for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist(), strict=True):
+        end = next((i + 1 for i, t in enumerate(row_tokens) if t in stops), None)
+        cut = end or len(row_tokens)
+        out.append(Completion(row_tokens[:cut], row_logprobs[:cut], stopped=end is not None))
+    return out

@@ -1,0 +1,123 @@
+"""Moving weights between engines: by name into a model's own tensors, and through shared
+memory between processes of one host.
+
+Weights travel as `(name, tensor)` pairs with Hugging Face names. `copy_weights` writes
+them into a model's existing tensors (no new memory, addresses unchanged). Between
+processes, `export_weights` packs them into one file under /dev/shm and returns a small
+`WeightManifest` (what a message carries); `import_weights` maps that file and yields views
+of it, so the reader copies straight from shared memory. Within one process, a tenant
+`publish`es its weights by name and a colocated tenant reads them in place (`published`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ALIGN = 64
+WeightSource = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+_published: dict[str, WeightSource] = {}
+
+
+def publish(name: str, source: WeightSource) -> None:
+    """Make tenant `name`'s weights reachable by name from this process (a handoff's
+    target reads them in place)."""
+    _published[name] = source
+
+
+def published(name: str) -> Iterable[tuple[str, torch.Tensor]]:
+    """The weights tenant `name` published in this process."""
+    if name not in _published:
+        raise LookupError(f"no tenant {name!r} published weights in process {os.getpid()} "
+                          f"(published here: {sorted(_published)}); a handoff needs both "
+                          "tenants on the same procs (one resource group)")
+    return _published[name]()
+
+
+def copy_weights(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy every `(name, tensor)` into `model`'s tensor of that name; returns the bytes.
+
+    All names and shapes are checked first, so a bad set writes nothing. Every tensor of
+    the model must be given.
+    """
+    own = model.state_dict()
+    given = dict(named)
+    missing, unknown = sorted(own.keys() - given.keys()), sorted(given.keys() - own.keys())
+    wrong = [f"{n}: {tuple(given[n].shape)} != {tuple(own[n].shape)}"
+             for n in own.keys() & given.keys() if given[n].shape != own[n].shape]
+    if missing or unknown or wrong:
+        raise ValueError(f"weights do not match the model (nothing was copied): missing "
+                         f"{missing[:5]}, unknown {unknown[:5]}, wrong shapes {wrong[:5]}")
+    with torch.no_grad():
+        for name, tensor in given.items():
+            own[name].copy_(tensor)
+    return sum(t.numel() * t.element_size() for t in given.values())
+
+
+def digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over names and bytes, in name order: equal digests, equal weights."""
+    sha = hashlib.sha256()
+    for name, tensor in sorted(named, key=lambda item: item[0]):
+        sha.update(name.encode())
+        sha.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
+
+
+@dataclass(frozen=True)
+class WeightManifest:
+    """Where exported weights lie: one file, and each tensor's dtype, shape and offset."""
+
+    path: str
+    nbytes: int
+    entries: tuple[tuple[str, str, tuple[int, ...], int], ...]  # name, dtype, shape, offset
+    version: int = 0
+
+
+def _shm_dir() -> Path:
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    path = base / f"colocate-weights-{os.getuid()}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def export_weights(named: Iterable[tuple[str, torch.Tensor]], key: str,
+                   version: int = 0) -> WeightManifest:
+    """Pack the tensors into the shared-memory file of `key` (replacing its last export)."""
+    tensors = [(name, t.detach()) for name, t in named]
+    entries, offset = [], 0
+    for name, t in tensors:
+        entries.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+        offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    path = _shm_dir() / f"{key.replace('/', '_')}.bin"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    storage = torch.UntypedStorage.from_file(str(tmp), shared=True, nbytes=max(offset, 1))
+    for (_, t), (_, _, _, start) in zip(tensors, entries, strict=True):
+        _view(storage, t.dtype, t.shape, start).copy_(t)
+    os.replace(tmp, path)  # readers never see a half-written file
+    return WeightManifest(str(path), offset, tuple(entries), version)
+
+
+def import_weights(manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views of the exported tensors, backed by the shared-memory file (no copy)."""
+    if not os.path.exists(manifest.path):
+        raise FileNotFoundError(f"exported weights {manifest.path} are gone (removed, or "
+                                "another host's /dev/shm): export them again on this host")
+    storage = torch.UntypedStorage.from_file(manifest.path, shared=True,
+                                             nbytes=max(manifest.nbytes, 1))
+    for name, dtype, shape, offset in manifest.entries:
+        yield name, _view(storage, getattr(torch, dtype), shape, offset)
+
+
+def _view(storage: torch.UntypedStorage, dtype: torch.dtype, shape, offset: int) -> torch.Tensor:
+    count = 1
+    for size in shape:
+        count *= size
+    flat = torch.tensor([], dtype=dtype).set_(storage, offset // dtype.itemsize, (count,))
+    return flat.view(shape)
