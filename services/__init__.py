@@ -14,8 +14,9 @@ from services.errors import (
 )
 from services.service import Service
 from services.spawn import spawn_service
+from services.weight_sync import SyncReport, sync_weights
 
 __all__ = [
     "Service", "ServiceAsleepError", "ServiceClosedError", "ServiceConfig", "ServiceConfigError",
-    "ServiceError", "ServiceUnavailableError", "spawn_service",
+    "ServiceError", "ServiceUnavailableError", "SyncReport", "spawn_service", "sync_weights",
 ]

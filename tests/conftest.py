@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,3 +40,19 @@ def run_isolated(fn: Callable[..., Any], *args: Any, env: dict[str, str] | None 
 @pytest.fixture
 def isolated() -> Callable[..., Any]:
     return run_isolated
+
+
+@pytest.fixture(scope="module")
+def procs_import_tests() -> Iterator[None]:
+    """Procs unpickle actors and functions defined in test modules (`test_x.Probe`): put
+    this directory on the PYTHONPATH that the procs (started after this) inherit."""
+    saved = os.environ.get("PYTHONPATH")
+    here = str(Path(__file__).parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved) if p)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved

@@ -4,8 +4,6 @@ all_reduce across the replica (one host x 2 procs, 2 hosts x 1 proc, 1 proc)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from colocate.resources.packing import ResourceRequest
 from colocate.testing import start_runtime
 from services.distributed import setup_distributed
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("procs_import_tests")]
 
 KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
@@ -42,22 +40,6 @@ class AllReduceProbe(Actor):
                     "sum": int(total.item())}
         finally:
             dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def probe_importable() -> Iterator[None]:
-    """The procs unpickle AllReduceProbe as `test_distributed.AllReduceProbe`: put this
-    directory on the PYTHONPATH that the procs (started after this) inherit."""
-    saved = os.environ.get("PYTHONPATH")
-    here = str(Path(__file__).parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved) if p)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
 
 
 async def check_replica(rm, hosts: int, procs_per_host: int) -> None:

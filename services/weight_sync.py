@@ -1,0 +1,64 @@
+"""`sync_weights(trainer, generator)`: the trainer's weights to every generator replica.
+
+A generator replica on the same procs as a trainer replica (one resource group) gets them
+by a staged handoff through the arbiters: its weights wake while the trainer keeps only
+its weights, it copies them in place, the trainer sleeps, then its caches wake. So the
+peak is the two weight sets, never trainer + generator + cache. A replica on other procs
+of the same host loads them from shared memory, exported once by the trainer's rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from colocate.arbiter.actor import remote_errors
+from colocate.resources.manager import select
+from services.errors import ServiceUnavailableError
+from services.replica import Health, Replica
+from services.service import Service
+
+
+@dataclass
+class SyncReport:
+    """Bytes copied per generator replica tenant, and how."""
+
+    handoff: dict[str, int] = field(default_factory=dict)
+    shared_memory: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.handoff.values()) + sum(self.shared_memory.values())
+
+
+def _healthy(service: Service) -> list[Replica]:
+    replicas = [r for r in service.replicas if r.health is Health.HEALTHY]
+    if not replicas:
+        raise ServiceUnavailableError(f"service {service.name!r} has no healthy replica to "
+                                      "sync weights with")
+    return replicas
+
+
+async def sync_weights(trainer: Service, generator: Service) -> SyncReport:
+    """Copy the weights of `trainer` (its first healthy replica holds the reference; DDP
+    keeps every rank equal) into every healthy replica of `generator`."""
+    rm = trainer.rm
+    source = _healthy(trainer)[0]
+    source_slots = set(rm.tenants.get(source.tenant, source.allocation.slots))
+    report, manifest = SyncReport(), None
+    for replica in _healthy(generator):
+        if set(replica.allocation.slots) <= source_slots:
+            report.handoff[replica.tenant] = await rm.handoff(source.tenant, replica.tenant)
+            continue
+        hosts = {h for h, _ in replica.allocation.slots}
+        if hosts != {source.allocation.slots[0][0]}:
+            raise NotImplementedError(
+                f"{replica.tenant} runs on host(s) {sorted(hosts)}, the trainer's rank 0 on "
+                f"host {source.allocation.slots[0][0]}: weight sync across hosts is not "
+                "built yet; place both services on one host or in one resource group")
+        async with remote_errors():
+            if manifest is None:
+                rank0 = select(source.actors, hosts=0, gpus=0)
+                manifest = await rank0.export_weights.call_one()
+            copied = await replica.actors.load_exported.call(manifest)
+        report.shared_memory[replica.tenant] = sum(v for _, v in copied.items())
+    return report

@@ -1,0 +1,72 @@
+"""Trainer and generator services on real Monarch procs: DDP training over gloo, then
+`sync_weights` by staged handoff (one resource group) or through shared memory (two)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colocate import phase
+from colocate.engines.actors import GeneratorActor, TrainerActor
+from colocate.engines.llama import Llama, LlamaConfig, save_pretrained
+from colocate.engines.sampling import SamplingParams
+from colocate.engines.tokenizer import CharTokenizer
+from services import ServiceConfig, spawn_service, sync_weights
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("procs_import_tests")]
+
+TOKENIZER = CharTokenizer("0123456789+=>")
+PROMPTS = [TOKENIZER.encode(p) for p in ("12+34=", "7>", "905+1=")]
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=(TOKENIZER.eos_id,))
+BATCH = torch.tensor([PROMPTS[0], PROMPTS[2]])
+
+
+def logit_loss(module, batch):
+    """Pushes token 5's logits down, so a step visibly changes the weights."""
+    return module(batch)[..., 5].mean(), {"rows": float(batch.shape[0])}
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=TOKENIZER.vocab_size, dim=64, n_heads=2, n_kv_heads=1,
+                         hidden_dim=128, max_seq_len=32)
+    return str(save_pretrained(Llama(config), tmp_path / "model", TOKENIZER))
+
+
+async def test_colocated_ddp_trainer_hands_weights_to_generator_replicas(colocate_runtime,
+                                                                        model_dir):
+    rm = colocate_runtime
+    trainer = await spawn_service(ServiceConfig(procs_per_host=2, resource_group="rl"),
+                                  TrainerActor, model_dir, name="trainer")
+    generator = await spawn_service(ServiceConfig(num_replicas=2, resource_group="rl"),
+                                    GeneratorActor, model_dir, name="generator")
+    async with phase(generator):
+        before = await generator.generate.fanout(PROMPTS, GREEDY)
+    async with phase(trainer):
+        first = await trainer.train_step.route(logit_loss, BATCH)
+        second = await trainer.train_step.route(logit_loss, BATCH)
+        trained = await trainer.checksum.route()
+    assert second["loss"] < first["loss"]
+    report = await sync_weights(trainer, generator)
+    assert set(report.handoff) == {"generator_r0", "generator_r1"} and not report.shared_memory
+    assert all(b > 0 for b in report.handoff.values())
+    status = await rm.status()
+    assert status[0] == {s: {"trainer_r0": [], f"generator_r{s}": ["weights", "kv_cache"]}
+                         for s in (0, 1)}
+    assert await generator.checksum.fanout() == [trained, trained]
+    after = await generator.generate.fanout(PROMPTS, GREEDY)
+    assert after[0] == after[1]  # both replicas hold the same trained weights
+    assert [c.tokens for c in after[0]] != [c.tokens for c in before[0]]
+
+
+async def test_generator_in_another_group_loads_through_shared_memory(colocate_runtime,
+                                                                      model_dir):
+    trainer = await spawn_service(ServiceConfig(resource_group="train"), TrainerActor,
+                                  model_dir, name="trainer")
+    generator = await spawn_service(ServiceConfig(resource_group="generate"), GeneratorActor,
+                                    model_dir, name="generator")
+    await trainer.train_step.route(logit_loss, BATCH)
+    report = await sync_weights(trainer, generator)
+    assert set(report.shared_memory) == {"generator_r0"} and not report.handoff
+    assert await generator.checksum.route() == await trainer.checksum.route()
