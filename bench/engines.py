@@ -1,0 +1,178 @@
+"""Engines side by side in one process: generation speed, sleep/wake cost, weight sync.
+
+1. Tokens/s of the built-in torch generator and of vLLM (CPU build) on the same model and
+   prompts: `--prompts` prompts, `--new-tokens` greedy tokens each (stop tokens off, so both
+   generate the same number), median of `--rounds` rounds after one warm-up.
+2. Sleep and wake seconds per GiB of each engine (weights with backup + KV cache without),
+   median of `--rounds` cycles.
+3. Weight sync trainer -> torch generator, in GB/s, against a raw memcpy of the same tensors
+   into plain preallocated ones, measured alternately (target: sync >= 0.7x raw):
+   `in place` (what a handoff's copy does: `copy_weights` into the generator's own tensors),
+   `shared memory` (export to /dev/shm, then load: two copies; what replicas on other procs
+   use), and `handoff` (the arbiter's whole staged handoff: stage sleeps, wakes and the copy).
+
+    python bench/engines.py [--dim 512] [--layers 8] [--engines torch,vllm] [--rounds 5]
+                            [--out runs/bench_engines/results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from bench.common import announce  # noqa: E402
+from colocate.arbiter import SlotArbiter  # noqa: E402
+from colocate.arbiter.local import LocalTenantHandle  # noqa: E402
+from colocate.engines.generator import TorchGenerator  # noqa: E402
+from colocate.engines.llama import Llama, LlamaConfig, load_pretrained, save_pretrained  # noqa: E402
+from colocate.engines.sampling import SamplingParams  # noqa: E402
+from colocate.engines.tokenizer import CharTokenizer  # noqa: E402
+from colocate.engines.trainer import PolicyTrainer  # noqa: E402
+from colocate.engines.weights import copy_weights, export_weights, import_weights  # noqa: E402
+
+MIN_SYNC_RATIO = 0.7
+GiB = 1 << 30
+
+
+def median_s(fn: Callable[[], object], rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def make_engine(kind: str, model_dir: str, max_batch: int):
+    if kind == "torch":
+        return TorchGenerator(load_pretrained(model_dir), max_batch, prefix="bench_torch")
+    from colocate.engines.vllm_generator import VLLMGenerator
+
+    return VLLMGenerator(model_dir, max_batch=max_batch)
+
+
+def engine_rows(kind: str, model_dir: str, prompts: list[list[int]], params: SamplingParams,
+                rounds: int) -> dict:
+    start = time.perf_counter()
+    engine = make_engine(kind, model_dir, len(prompts))
+    init_s = time.perf_counter() - start
+    engine.generate(prompts, params)  # warm-up
+    gen_s = median_s(lambda: engine.generate(prompts, params), rounds)
+    tokens = len(prompts) * params.max_new_tokens
+    stages = list(engine.describe().stages)
+    held = engine.describe().tagged_bytes
+    sleeps, wakes = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        engine.sleep()
+        sleeps.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        engine.wake(stages)
+        wakes.append(time.perf_counter() - start)
+    return {"engine": kind, "init_s": init_s, "tokens_per_s": tokens / gen_s,
+            "bytes": held, "sleep_s_per_gib": statistics.median(sleeps) / (held / GiB),
+            "wake_s_per_gib": statistics.median(wakes) / (held / GiB)}
+
+
+def sync_rows(config: LlamaConfig, rounds: int) -> dict:
+    trainer = PolicyTrainer(Llama(config), prefix="bench_trainer")
+    gen = TorchGenerator(Llama(config), max_batch=4, prefix="bench_gen")
+    sources = [t for _, t in trainer.named_weights()]
+    plain = [torch.empty_like(t) for t in sources]
+    nbytes = sum(t.numel() * t.element_size() for t in sources)
+
+    def raw() -> None:
+        for dst, src in zip(plain, sources, strict=True):
+            dst.copy_(src)
+
+    ways = {"raw": raw,
+            "in place": lambda: copy_weights(gen.model, trainer.named_weights()),
+            "shared memory": lambda: copy_weights(gen.model, import_weights(
+                export_weights(trainer.named_weights(), "bench_engines")))}
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in tqdm(range(rounds), desc="weight sync", leave=False):
+        for way, fn in ways.items():  # alternated: both see the same machine state
+            times[way].append(median_s(fn, 1))
+    times["handoff"] = asyncio.run(handoff_times(trainer, gen, rounds))
+    raw_s = statistics.median(times["raw"])
+    return {"bytes": nbytes, **{way: {"gb_per_s": nbytes / statistics.median(t) / 1e9,
+                                      "ratio": raw_s / statistics.median(t)}
+                                for way, t in times.items()}}
+
+
+async def handoff_times(trainer: PolicyTrainer, gen: TorchGenerator, rounds: int) -> list[float]:
+    arbiter = SlotArbiter([0])
+    await arbiter.register(0, LocalTenantHandle("bench_trainer", trainer))
+    await arbiter.register(0, LocalTenantHandle("bench_gen", gen))
+    times = []
+    for _ in range(rounds):
+        await arbiter.wake("bench_trainer")
+        start = time.perf_counter()
+        await arbiter.handoff("bench_trainer", "bench_gen")
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--engines", default="torch,vllm")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default="runs/bench_engines/results.json")
+    args = parser.parse_args()
+    machine, command = announce()
+    tokenizer = CharTokenizer("0123456789+=>")
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, dim=args.dim, n_layers=args.layers,
+                         n_heads=args.dim // 64, n_kv_heads=args.dim // 128 or 1,
+                         hidden_dim=4 * args.dim, max_seq_len=64)
+    torch.manual_seed(0)
+    model_dir = save_pretrained(Llama(config), Path(tempfile.mkdtemp()) / "model", tokenizer)
+    prompts = [tokenizer.encode(f"{i * 37 % 1000}+{i * 91 % 1000}=") for i in range(args.prompts)]
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0)
+    engines = [engine_rows(kind, str(model_dir), prompts, params, args.rounds)
+               for kind in tqdm(args.engines.split(","), desc="engines")]
+    sync = sync_rows(config, args.rounds)
+    params_m = sum(p.numel() for p in Llama(config).parameters()) / 1e6
+    print(f"\nmodel: dim {args.dim}, {args.layers} layers, {params_m:.1f} M parameters; "
+          f"{args.prompts} prompts x {args.new_tokens} greedy tokens")
+    print("| engine | init s | tokens/s | MiB held | sleep s/GiB | wake s/GiB |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for row in engines:
+        print(f"| {row['engine']} | {row['init_s']:.1f} | {row['tokens_per_s']:.0f} | "
+              f"{row['bytes'] / 2**20:.0f} | {row['sleep_s_per_gib']:.3f} | "
+              f"{row['wake_s_per_gib']:.3f} |")
+    print(f"\nweight sync of {sync['bytes'] / 2**20:.0f} MiB, against raw memcpy "
+          f"({sync['raw']['gb_per_s']:.2f} GB/s):")
+    print("| way | GB/s | / raw | target | verdict |")
+    print("|---|---:|---:|---:|---|")
+    for way in ("in place", "shared memory", "handoff"):
+        row = sync[way]
+        target = f">= {MIN_SYNC_RATIO}" if way == "in place" else ""
+        verdict = ("PASS" if row["ratio"] >= MIN_SYNC_RATIO else "FAIL") if target else ""
+        print(f"| {way} | {row['gb_per_s']:.2f} | {row['ratio']:.2f} | {target} | {verdict} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "command": command, "engines": engines,
+                               "sync": sync}, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
