@@ -81,7 +81,8 @@ class GeneratorActor(TenantActor):
         else:
             from colocate.engines.vllm_generator import VLLMGenerator
 
-            self.engine = VLLMGenerator(model_dir, max_batch=max_batch, **options)
+            self.engine = VLLMGenerator(model_dir, max_batch=max_batch,
+                                        prefix=self.tenant_name, **options)
 
     @endpoint
     def sleep(self, stages: list[str] | None = None) -> int:
