@@ -43,6 +43,12 @@ class PolicyTrainer:
         if _distributed_env():
             if not dist.is_initialized():
                 dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            elif dist.get_world_size() != int(os.environ["WORLD_SIZE"]):
+                raise RuntimeError(
+                    f"this process is already in a torch.distributed group of "
+                    f"{dist.get_world_size()} rank(s), not this replica's WORLD_SIZE "
+                    f"{os.environ['WORLD_SIZE']} (a vLLM generator on the same proc starts "
+                    "its own); give the trainer procs without it, or one proc")
             self.module = DistributedDataParallel(self.model, gradient_as_bucket_view=True)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr,
                                            weight_decay=weight_decay)

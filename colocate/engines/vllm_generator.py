@@ -54,6 +54,12 @@ class VLLMGenerator:
                  prefix: str = "vllm", **llm_kwargs: Any) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
+        if torch.distributed.is_initialized():
+            raise RuntimeError(
+                "this process already has a torch.distributed group (a DDP trainer's?); "
+                "vLLM starts a one-rank group of its own in its process and would hang on "
+                "it. Put the vLLM generator on procs without one: a one-proc trainer "
+                "replica, or another resource group")
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.max_model_len = llm_kwargs.pop("max_model_len", config["max_position_embeddings"])
         native = torch.cuda.is_available()
