@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m examples.two_tenants
+	$(PY) -m examples.rl_loop
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -1,0 +1,186 @@
+"""The RL loop: GRPO with a trainer and a generator time-sharing the same slots.
+
+Every step: the generator samples a group of completions per prompt (generator awake), the
+rewards give group-relative advantages, the trainer takes a step (trainer awake), and the
+trainer's weights go to the generator by a staged handoff (the generator ends awake, so
+the next step's generation needs no switch). Every switch goes through the arbiters and
+is checked by measurement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from colocate import init, phase
+from colocate.engines.actors import GeneratorActor, TrainerActor
+from colocate.engines.llama import Llama, LlamaConfig, save_pretrained
+from colocate.engines.sampling import SamplingParams
+from colocate.engines.tokenizer import CharTokenizer
+from examples.rl_loop import task
+from examples.rl_loop.config import RLConfig
+from examples.rl_loop.grpo import group_advantages
+from examples.rl_loop.record import RunRecord
+from examples.rl_loop.rollouts import GRPOLoss, make_batch
+from services import Service, ServiceConfig, spawn_service, sync_weights
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_model(cfg: RLConfig, tokenizer: CharTokenizer, out: Path) -> Path:
+    """The initial policy as a Hugging Face directory both engines load."""
+    model = cfg.model
+    torch.manual_seed(model.seed)
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, dim=model.dim,
+                         n_layers=model.n_layers, n_heads=model.n_heads,
+                         n_kv_heads=model.n_kv_heads, hidden_dim=model.hidden_dim,
+                         max_seq_len=model.max_seq_len)
+    return save_pretrained(Llama(config), out / "model", tokenizer)
+
+
+async def resident(service: Service) -> int:
+    """Bytes the service's tenants hold now, over all their procs (asked directly, since
+    a sleeping replica takes no routed calls)."""
+    total = 0
+    for replica in service.replicas:
+        infos = await replica.actors.describe.call()
+        total += sum(info.resident_bytes for _, info in infos.items())
+    return total
+
+
+class Loop:
+    """One run: the runtime, the two services, the task, and what is recorded."""
+
+    def __init__(self, cfg: RLConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.run.out)
+        self.tokenizer = CharTokenizer(task.ALPHABET)
+        self.rng = random.Random(cfg.run.seed)
+        self.record = RunRecord()
+        self.bar: tqdm | None = None
+        self.postfix: dict[str, str] = {}  # the progress bar's reward, eval and phase
+        self.sampling = SamplingParams(max_new_tokens=cfg.task.max_new_tokens,
+                                       temperature=cfg.grpo.temperature,
+                                       stop_token_ids=(self.tokenizer.eos_id,))
+        self.greedy = SamplingParams(max_new_tokens=cfg.task.max_new_tokens, temperature=0,
+                                     stop_token_ids=(self.tokenizer.eos_id,))
+
+    async def start(self) -> None:
+        run = self.cfg.run
+        # the procs unpickle this example's loss function: they need the repo on their path
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        model_dir = str(write_model(self.cfg, self.tokenizer, self.out))
+        slots = run.slots if run.colocate else 2 * run.slots
+        self.rm = await init("local", gpus_per_host=slots)
+        groups = ("rl", "rl") if run.colocate else ("train", "generate")
+        self.trainer = await spawn_service(
+            ServiceConfig(procs_per_host=run.slots, resource_group=groups[0]), TrainerActor,
+            model_dir, lr=self.cfg.grpo.lr, max_grad_norm=self.cfg.grpo.max_grad_norm,
+            name="trainer")
+        self.generator = await spawn_service(
+            ServiceConfig(num_replicas=run.slots, resource_group=groups[1]), GeneratorActor,
+            model_dir, engine=run.engine, name="generator")
+
+    async def stop(self) -> None:
+        await self.rm.shutdown()
+
+    async def _readings(self, label: str) -> None:
+        """Mark a phase switch and record what each side holds now."""
+        self.record.phase(label)
+        self.postfix["phase"] = label
+        if self.bar is not None:
+            self.bar.set_postfix(self.postfix, refresh=False)
+        for name, service in (("trainer", self.trainer), ("generator", self.generator)):
+            self.record.reading(name, await resident(service))
+
+    async def generate(self, prompts: list[str], params: SamplingParams, copies: int
+                       ) -> tuple[list[list[int]], list]:
+        """`copies` completions per prompt, spread over the generator's replicas."""
+        tokens = [self.tokenizer.encode(p) for p in prompts for _ in range(copies)]
+        chunks = max(1, len(self.generator.replicas))
+        size = -(-len(tokens) // chunks)
+        parts = await asyncio.gather(*(
+            self.generator.generate.route(tokens[i:i + size], params)
+            for i in range(0, len(tokens), size)))
+        return tokens, [c for part in parts for c in part]
+
+    async def evaluate(self) -> float:
+        prompts = task.eval_prompts(self.cfg.task)
+        _, completions = await self.generate(prompts, self.greedy, 1)
+        rewards = [task.reward(p, self.tokenizer.decode(c.tokens))
+                   for p, c in zip(prompts, completions, strict=True)]
+        return sum(rewards) / len(rewards)
+
+    async def step(self, index: int) -> dict[str, Any]:
+        cfg, clock = self.cfg, time.monotonic
+        start = clock()
+        async with phase(self.generator):  # no switch: the last sync left it awake
+            woken = clock()
+            await self._readings("generate")
+            prompts = task.sample_prompts(cfg.task, cfg.grpo.prompts_per_step, self.rng)
+            tokens, completions = await self.generate(prompts, self.sampling,
+                                                      cfg.grpo.group_size)
+        generated = clock()
+        texts = [p for p in prompts for _ in range(cfg.grpo.group_size)]
+        rewards = torch.tensor([task.reward(p, self.tokenizer.decode(c.tokens))
+                                for p, c in zip(texts, completions, strict=True)])
+        advantages = group_advantages(rewards, cfg.grpo.group_size, cfg.grpo.scale_by_std,
+                                      cfg.grpo.eps)
+        batch = make_batch(tokens, completions, advantages, self.tokenizer.pad_id)
+        async with phase(self.trainer):
+            trainer_woken = clock()
+            await self._readings("train")
+            for _ in range(cfg.grpo.updates_per_batch):
+                metrics = await self.trainer.train_step.route(GRPOLoss(cfg.grpo), batch)
+        trained = clock()
+        await sync_weights(self.trainer, self.generator)
+        await self._readings("sync")
+        synced = clock()
+        row = {"step": index, "reward": rewards.mean().item(), **metrics,
+               "generate_s": generated - woken, "train_s": trained - trainer_woken,
+               "switch_s": (woken - start) + (trainer_woken - generated),
+               "sync_s": synced - trained, "step_s": synced - start}
+        if (index + 1) % cfg.run.eval_every == 0 or index + 1 == cfg.run.steps:
+            row["eval_reward"] = await self.evaluate()
+        return row
+
+    async def run(self) -> dict[str, Any]:
+        await self.start()
+        try:
+            await self._readings("start")
+            async with phase(self.generator):
+                untrained = await self.evaluate()
+            self.postfix["eval"] = f"{untrained:.2f}"
+            self.record.steps.append({"step": -1, "reward": float("nan"),
+                                      "eval_reward": untrained})
+            self.bar = tqdm(range(self.cfg.run.steps), desc="GRPO")
+            for index in self.bar:
+                row = await self.step(index)
+                self.record.steps.append(row)
+                self.postfix["reward"] = f"{row['reward']:.2f}"
+                if "eval_reward" in row:
+                    self.postfix["eval"] = f"{row['eval_reward']:.2f}"
+                self.bar.set_postfix(self.postfix, refresh=False)
+            self.bar.close()
+        finally:
+            await self.stop()
+        steps = [s for s in self.record.steps if s["step"] >= 0]
+        summary = {
+            "untrained_eval_reward": untrained,
+            "final_eval_reward": steps[-1]["eval_reward"],
+            "mean_step_s": sum(s["step_s"] for s in steps) / len(steps),
+            "switch_share": sum(s["switch_s"] + s["sync_s"] for s in steps)
+            / sum(s["step_s"] for s in steps),
+            "engine": self.cfg.run.engine,
+        }
+        self.record.steps[0]["reward"] = None
+        self.record.write(self.out, summary)
+        return summary
