@@ -181,7 +181,7 @@ def test_a_tenant_whose_sleep_fails_leaves_a_consistent_reported_state(isolated)
 class LyingHandle(LocalTenantHandle):
     """A buggy tenant: says it sleeps, keeps its memory (a fault we inject on purpose)."""
 
-    async def sleep(self) -> int:
+    async def sleep(self, stages=None) -> int:
         return memory.resident_bytes("liar/weights")  # claims it, releases nothing
 
 
