@@ -18,17 +18,19 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    """GRPO's knobs, validated here, once. The defaults learn the toy task of
-    `examples.rl_loop.task` from a random initialisation in a few CPU minutes."""
+    """GRPO's knobs, validated here, once. The defaults were measured on the toy task of
+    `examples.rl_loop.task` with a random 2-layer, 64-wide Llama in one process: held-out
+    reward from about 0 to 0.53-0.80 in 150 steps and 0.94-0.99 in 300 (3 seeds, about 0.08 s
+    a step on one CPU core). lr 3e-3 stalls near 0.45 on some seeds; 1e-2 collapses."""
 
-    group_size: int = 8  # samples per prompt; advantages are relative within a group
-    prompts_per_step: int = 16
+    group_size: int = 4  # samples per prompt; advantages are relative within a group
+    prompts_per_step: int = 32
     temperature: float = 1.0  # for sampling and for the log-probabilities of the loss
     clip_eps: float = 0.2  # PPO ratio clip: [1 - clip_eps, 1 + clip_eps]
     kl_coef: float = 0.0  # weight of the k3 KL to the reference policy; 0 needs no reference
     scale_by_std: bool = True  # divide advantages by the group's std (Dr. GRPO: False)
-    updates_per_batch: int = 1  # optimizer steps on one batch of rollouts (GRPO's mu)
-    lr: float = 3e-3
+    updates_per_batch: int = 2  # optimizer steps on one batch of rollouts (GRPO's mu)
+    lr: float = 1e-3
     max_grad_norm: float = 1.0
     eps: float = 1e-6  # added to the group std
 

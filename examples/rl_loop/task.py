@@ -1,16 +1,26 @@
-"""The toy task: reverse a short digit string. "312>" -> "213", then the eos token.
+"""The toy task: copy a short digit string. "312>" -> "312", then the eos token.
 
-The reward is verifiable and gives partial credit, so a random policy already gets a
-learnable signal: the fraction of answer positions that are right, minus a penalty for a
-wrong length, clipped to [0, 1]. The held-out evaluation set is fixed by its seed.
+Chosen by measurement over reversal and addition: a randomly initialised 2-layer, 64-wide
+Llama learns it with GRPO in about a minute on one CPU core, where reversal stalls around
+0.7 and two-digit addition does not move (see the commit that added this module).
+
+The reward is verifiable and gives partial credit: the answer positions the completion gets
+right, divided by the longer of the answer and the completion, so a random policy already
+gets a learnable signal, too long or too short completions lose credit, and the exact answer
+alone scores 1.0. The held-out evaluation set is fixed by its seed and never sampled for
+training. Token ids come from `colocate.engines.tokenizer.CharTokenizer(ALPHABET)`, which
+adds the pad, bos and eos tokens.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
-ALPHABET = "0123456789>"
+DIGITS = "0123456789"
+SEPARATOR = ">"  # ends every prompt
+ALPHABET = DIGITS + SEPARATOR
 
 
 @dataclass(frozen=True)
@@ -21,14 +31,16 @@ class TaskConfig:
     max_digits: int = 4
     eval_size: int = 64
     eval_seed: int = 1234
-    length_penalty: float = 0.25  # per character too many or too few
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError(f"TaskConfig: need 1 <= min_digits ({self.min_digits}) <= "
                              f"max_digits ({self.max_digits})")
-        if self.eval_size < 1:
-            raise ValueError(f"TaskConfig.eval_size={self.eval_size}: must be >= 1")
+        distinct = sum(10**n for n in range(self.min_digits, self.max_digits + 1))
+        if not 1 <= self.eval_size <= distinct // 2:
+            raise ValueError(f"TaskConfig.eval_size={self.eval_size}: must be in "
+                             f"[1, {distinct // 2}], half of the {distinct} distinct prompts, "
+                             "so that training keeps prompts of its own")
 
     @property
     def max_new_tokens(self) -> int:
@@ -36,28 +48,47 @@ class TaskConfig:
         return self.max_digits + 1
 
 
-def sample_prompts(cfg: TaskConfig, n: int, rng: random.Random) -> list[str]:
-    """`n` prompts: digit strings of min..max digits, then ">"."""
-    prompts = []
-    for _ in range(n):
-        length = rng.randint(cfg.min_digits, cfg.max_digits)
-        prompts.append("".join(rng.choice("0123456789") for _ in range(length)) + ">")
-    return prompts
+def _prompt(cfg: TaskConfig, rng: random.Random) -> str:
+    length = rng.randint(cfg.min_digits, cfg.max_digits)
+    return "".join(rng.choice(DIGITS) for _ in range(length)) + SEPARATOR
+
+
+@functools.cache
+def _eval_set(cfg: TaskConfig) -> tuple[str, ...]:
+    rng, prompts = random.Random(cfg.eval_seed), {}  # a dict keeps the first-seen order
+    while len(prompts) < cfg.eval_size:
+        prompts[_prompt(cfg, rng)] = None
+    return tuple(prompts)
 
 
 def eval_prompts(cfg: TaskConfig) -> list[str]:
-    """The held-out set: the same prompts for every run with this config."""
-    return sample_prompts(cfg, cfg.eval_size, random.Random(cfg.eval_seed))
+    """The held-out set: `eval_size` distinct prompts, the same for every run with this
+    config."""
+    return list(_eval_set(cfg))
+
+
+def sample_prompts(cfg: TaskConfig, n: int, rng: random.Random) -> list[str]:
+    """`n` training prompts (min..max digits, then ">"), none of them in the held-out set."""
+    held_out = frozenset(_eval_set(cfg))
+    prompts: list[str] = []
+    while len(prompts) < n:
+        prompt = _prompt(cfg, rng)
+        if prompt not in held_out:
+            prompts.append(prompt)
+    return prompts
 
 
 def answer(prompt: str) -> str:
-    return prompt.removesuffix(">")[::-1]
+    """The completion that earns 1.0: the prompt's digits."""
+    digits = prompt.removesuffix(SEPARATOR)
+    if digits == prompt or not digits:
+        raise ValueError(f"prompt {prompt!r}: expected digits, then {SEPARATOR!r}")
+    return digits
 
 
 def reward(prompt: str, completion: str) -> float:
-    """1.0 for the exact reversal; otherwise the share of right positions, less the
-    length penalty; never below 0."""
+    """In [0, 1]: the positions where `completion` matches the answer, divided by the longer
+    of the two lengths. 1.0 only for the exact answer; 0.0 for an empty completion."""
     target = answer(prompt)
     right = sum(a == b for a, b in zip(completion, target, strict=False))
-    penalty = TaskConfig.length_penalty * abs(len(completion) - len(target))
-    return max(0.0, right / len(target) - penalty)
+    return right / max(len(target), len(completion))

@@ -1,0 +1,155 @@
+"""GRPO's math and the toy task, as pure functions: no runtime, no model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from examples.rl_loop import task
+from examples.rl_loop.grpo import (
+    GRPOConfig,
+    group_advantages,
+    grpo_loss,
+    kl_k3,
+    pack_batch,
+    token_logprobs,
+)
+
+
+def test_advantages_are_centered_per_group_and_zero_for_a_constant_group():
+    rewards = torch.tensor([0.0, 0.5, 1.0, 0.25, 0.7, 0.7, 0.7, 0.7])
+    for scale in (True, False):
+        adv = group_advantages(rewards, group_size=4, scale_by_std=scale).view(2, 4)
+        assert torch.allclose(adv.sum(dim=1), torch.zeros(2), atol=1e-6)
+        assert torch.equal(adv[1], torch.zeros(4))
+        assert adv[0].argmax() == 2 and adv[0].argmin() == 0  # the order of the rewards
+    scaled = group_advantages(rewards, 4).view(2, 4)
+    assert scaled[0].std().item() == pytest.approx(1.0, abs=1e-4)
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        group_advantages(rewards[:6], group_size=4)
+
+
+def test_pack_batch_masks_the_completion_tokens_only():
+    input_ids, targets, mask = pack_batch([[1, 5, 6], [1, 7]], [[8, 2], [9]], pad_id=0)
+    assert input_ids.tolist() == [[1, 5, 6, 8], [1, 7, 0, 0]]
+    assert targets.tolist() == [[5, 6, 8, 2], [7, 9, 0, 0]]
+    assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+
+
+def test_token_logprobs_pick_the_targets_under_the_temperature():
+    logits = torch.randn(2, 3, 5)
+    targets = torch.randint(0, 5, (2, 3))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, 1.0]])
+    got = token_logprobs(logits, targets, mask, temperature=0.5)
+    want = torch.log_softmax(logits / 0.5, -1).gather(-1, targets[..., None])[..., 0] * mask
+    assert torch.allclose(got, want)
+    assert got[0, 2] == 0 and got[1, 0] == 0
+
+
+def _batch(advantages: list[float], tokens: int = 3) -> dict[str, torch.Tensor]:
+    rows = len(advantages)
+    logprobs = torch.log(torch.rand(rows, tokens) * 0.9 + 0.05)
+    return {"logprobs": logprobs.clone().requires_grad_(True), "old": logprobs.clone(),
+            "advantages": torch.tensor(advantages), "mask": torch.ones(rows, tokens)}
+
+
+def test_loss_at_ratio_one_is_minus_the_mean_advantage():
+    b = _batch([1.5, -0.5, 0.25, -2.0])
+    loss, stats = grpo_loss(b["logprobs"], b["old"], b["advantages"], b["mask"], GRPOConfig())
+    assert loss.item() == pytest.approx(-b["advantages"].mean().item(), abs=1e-6)
+    assert stats["ratio"] == pytest.approx(1.0) and stats["clip_frac"] == 0.0
+    loss.backward()  # d loss / d logprob = -advantage / tokens at ratio 1
+    tokens = b["mask"].sum()
+    assert torch.allclose(b["logprobs"].grad, -b["advantages"][:, None].expand(4, 3) / tokens)
+
+
+def test_loss_is_a_token_level_mean_over_the_mask():
+    b = _batch([1.0, -1.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # 3 tokens at +1, 1 at -1
+    loss, _ = grpo_loss(b["logprobs"], b["old"], b["advantages"], mask, GRPOConfig())
+    assert loss.item() == pytest.approx(-(3 - 1) / 4)
+
+
+@pytest.mark.parametrize("advantage, log_ratio, flows", [
+    (1.0, 0.5, False),   # ratio 1.65 > 1 + eps, positive advantage: clipped, no gradient
+    (1.0, -0.5, True),   # ratio 0.61 < 1 - eps, positive advantage: pushed back up
+    (-1.0, -0.5, False),  # ratio 0.61 < 1 - eps, negative advantage: clipped, no gradient
+    (-1.0, 0.5, True),   # ratio 1.65 > 1 + eps, negative advantage: pushed back down
+    (1.0, 0.1, True),    # inside [1 - eps, 1 + eps]: always a gradient
+    (-1.0, -0.1, True),
+])
+def test_clipping_stops_the_gradient_only_on_the_side_that_gains(advantage, log_ratio, flows):
+    old = torch.log(torch.tensor([[0.3]]))
+    logprobs = (old + log_ratio).requires_grad_(True)
+    loss, stats = grpo_loss(logprobs, old, torch.tensor([advantage]), torch.ones(1, 1),
+                            GRPOConfig(clip_eps=0.2))
+    loss.backward()
+    grad = logprobs.grad.item()
+    assert (grad != 0) == flows
+    assert stats["clip_frac"] == (0.0 if flows else 1.0)
+    if flows:  # the gradient always raises the probability of a positive-advantage token
+        assert (grad < 0) == (advantage > 0)
+
+
+def test_kl_is_zero_at_the_reference_and_positive_elsewhere():
+    logprobs = torch.log(torch.rand(4, 5) * 0.9 + 0.05)
+    assert torch.allclose(kl_k3(logprobs, logprobs), torch.zeros(4, 5))
+    assert (kl_k3(logprobs, logprobs + 0.3) > 0).all()
+    assert (kl_k3(logprobs, logprobs - 0.3) > 0).all()
+
+    b = _batch([1.0, -1.0])
+    cfg = GRPOConfig(kl_coef=0.5)
+    base, _ = grpo_loss(b["logprobs"], b["old"], b["advantages"], b["mask"], GRPOConfig())
+    same, stats = grpo_loss(b["logprobs"], b["old"], b["advantages"], b["mask"], cfg,
+                            ref_logprobs=b["old"])
+    assert stats["kl"] == 0.0 and same.item() == pytest.approx(base.item())
+    far, stats = grpo_loss(b["logprobs"], b["old"], b["advantages"], b["mask"], cfg,
+                           ref_logprobs=b["old"] - 1.0)
+    assert stats["kl"] > 0 and far.item() == pytest.approx(base.item() + 0.5 * stats["kl"])
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        grpo_loss(b["logprobs"], b["old"], b["advantages"], b["mask"], cfg)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("group_size", 1), ("prompts_per_step", 0), ("updates_per_batch", 0), ("lr", 0.0),
+    ("temperature", -1.0), ("clip_eps", 1.0), ("kl_coef", -0.1),
+])
+def test_grpo_config_rejects_bad_values(field, value):
+    with pytest.raises(ValueError, match=f"GRPOConfig.{field}"):
+        GRPOConfig(**{field: value})
+
+
+def test_reward_gives_full_partial_and_no_credit():
+    assert task.reward("312>", "312") == 1.0
+    assert task.reward("312>", "") == 0.0
+    assert task.reward("312>", "9") == 0.0
+    assert 0 < task.reward("312>", "319") < 1  # two of three right
+    assert task.reward("312>", "3129") < task.reward("312>", "312")  # too long loses credit
+    assert task.reward("312>", "31") < task.reward("312>", "312")  # too short too
+    with pytest.raises(ValueError, match="expected digits"):
+        task.reward("312", "312")
+
+
+def test_prompts_are_in_the_alphabet_and_the_eval_set_is_fixed_and_held_out():
+    cfg = task.TaskConfig(min_digits=1, max_digits=2, eval_size=20)
+    held_out = task.eval_prompts(cfg)
+    assert held_out == task.eval_prompts(task.TaskConfig(min_digits=1, max_digits=2,
+                                                         eval_size=20))
+    assert held_out != task.eval_prompts(task.TaskConfig(min_digits=1, max_digits=2,
+                                                         eval_size=20, eval_seed=7))
+    assert len(set(held_out)) == 20
+    train = task.sample_prompts(cfg, 500, random.Random(0))
+    assert not set(train) & set(held_out)
+    assert train == task.sample_prompts(cfg, 500, random.Random(0))
+    for prompt in train + held_out:
+        assert set(prompt) <= set(task.ALPHABET) and 1 <= len(task.answer(prompt)) <= 2
+    assert cfg.max_new_tokens == 3
+
+
+def test_task_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="min_digits"):
+        task.TaskConfig(min_digits=3, max_digits=2)
+    with pytest.raises(ValueError, match="eval_size"):
+        task.TaskConfig(min_digits=1, max_digits=1, eval_size=6)  # 10 prompts in all
