@@ -11,6 +11,11 @@ A replica is awake when its tenant is awake on all its procs, as the arbiter rep
 call is sent to a replica that a switch in flight may put to sleep (the resource manager
 drains them first). When none is awake, `config.when_asleep` decides: wait (bounded),
 wake it, or fail with `ServiceAsleepError`. Every call ends in a result or an exception.
+
+A replica whose proc dies is marked failed and, with `config.respawn`, started again on new
+procs for the same slots; calls go to the other replicas meanwhile, or wait for it when it
+was the last. `svc.on_respawn` hooks run on the new replica before it takes a call (an RL
+loop syncs the trainer's weights into it there, so no call meets stale weights).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import inspect
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -72,6 +77,7 @@ class Service:
         self.closed = False
         self.waiting = 0  # calls waiting for a replica
         self.respawns: dict[int, asyncio.Task] = {}
+        self.on_respawn: list[Callable[[Replica], Awaitable[None]]] = []
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()  # the client's Monarch context
         rm.drainers.append(self._drain)
@@ -114,11 +120,17 @@ class Service:
                 return self._choose(candidates, session)
             healthy = [r for r in self.replicas
                        if r.health is Health.HEALTHY and r.index not in exclude]
+            if not healthy and self.respawns:  # the last ones are coming back: wait for them
+                if time.monotonic() > deadline:
+                    raise ServiceUnavailableError(
+                        f"service {self.name!r}: no replica came back within "
+                        f"{self.config.wait_timeout_s} s of a failure: " + self.failures())
+                exclude.difference_update(self.respawns)  # a respawned one is a new replica
+                await asyncio.sleep(POLL_S)
+                continue
             if not healthy:
                 raise ServiceUnavailableError(
-                    f"service {self.name!r} has no healthy replica left: "
-                    + "; ".join(f"replica {r.index}: {r.health.value} ({r.failure})"
-                                for r in self.replicas))
+                    f"service {self.name!r} has no healthy replica left: " + self.failures())
             if self.config.when_asleep == "fail":
                 raise ServiceAsleepError(f"service {self.name!r} has no awake replica; "
                                          f"awake now: {self._awake_elsewhere()}")
@@ -131,6 +143,11 @@ class Service:
                     f"service {self.name!r}: no replica woke within "
                     f"{self.config.wait_timeout_s} s; awake now: {self._awake_elsewhere()}")
             await asyncio.sleep(POLL_S)
+
+    def failures(self) -> str:
+        """Each replica's health and, for a failed one, why."""
+        return "; ".join(f"replica {r.index}: {r.health.value} ({r.failure})"
+                         for r in self.replicas)
 
     def _choose(self, candidates: list[Replica], session: str | None) -> Replica:
         if session is not None:
@@ -145,6 +162,7 @@ class Service:
     async def _route(self, endpoint: str, args: tuple, kwargs: dict,
                      session: str | None) -> Any:
         failed: set[int] = set()
+        faults = 0
         while True:
             replica = await self._pick(session, failed)
             try:
@@ -159,7 +177,8 @@ class Service:
                 fault = err
             self._fail(replica, fault)
             failed.add(replica.index)
-            if len(failed) > self.config.max_retries:
+            faults += 1
+            if faults > self.config.max_retries:
                 raise fault
 
     async def _fanout(self, endpoint: str, args: tuple, kwargs: dict) -> list[Any]:
@@ -167,6 +186,15 @@ class Service:
         picked = None if self._routable(set()) else await self._pick(None, set())
         replicas = self._routable(set()) or [picked]
         return list(await asyncio.gather(*(r.call(endpoint, args, kwargs) for r in replicas)))
+
+    def lose(self, replica: Replica, err: BaseException) -> bool:
+        """For callers that reach a replica's actors directly: True when `err` says the
+        replica itself is gone (its proc died, its actor crashed), after marking it failed
+        (and respawning it); False when the call merely raised, which is the caller's."""
+        if isinstance(err, ActorError) and not _is_fault(err):
+            return False
+        self._fail(replica, err)
+        return True
 
     def _fail(self, replica: Replica, err: BaseException | str) -> None:
         if replica.health is not Health.HEALTHY:
@@ -193,12 +221,15 @@ class Service:
             tenant = f"{base}_g{int(generation or 0) + 1}"
             actors = await self._start(tenant, allocation)
             replica.tenant, replica.actors, replica.allocation = tenant, actors, allocation
+            for hook in self.on_respawn:
+                await hook(replica)
             replica.health, replica.failure, replica.respawned = Health.HEALTHY, None, \
                 replica.respawned + 1
             logger.info("service %r replica %d is back as %s", self.name, replica.index, tenant)
-        except Exception:
+        except Exception as err:
             logger.exception("service %r: respawning replica %d failed", self.name,
                              replica.index)
+            replica.failure = f"{replica.failure}; its respawn failed: {type(err).__name__}: {err}"
         finally:
             self.respawns.pop(replica.index, None)
 

@@ -5,10 +5,13 @@ by a staged handoff through the arbiters: its weights wake while the trainer kee
 its weights, it copies them in place, the trainer sleeps, then its caches wake. So the
 peak is the two weight sets, never trainer + generator + cache. A replica on other procs
 of the same host loads them from shared memory, exported once by the trainer's rank 0.
+A generator replica found dead on the way is reported lost and left to its service, which
+respawns it; the others are synced all the same.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from colocate.arbiter.actor import remote_errors
@@ -20,10 +23,11 @@ from services.service import Service
 
 @dataclass
 class SyncReport:
-    """Bytes copied per generator replica tenant, and how."""
+    """Bytes copied per generator replica tenant, and how; the replicas found dead."""
 
     handoff: dict[str, int] = field(default_factory=dict)
     shared_memory: dict[str, int] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -34,18 +38,19 @@ def _healthy(service: Service) -> list[Replica]:
     replicas = [r for r in service.replicas if r.health is Health.HEALTHY]
     if not replicas:
         raise ServiceUnavailableError(f"service {service.name!r} has no healthy replica to "
-                                      "sync weights with")
+                                      f"sync weights with: {service.failures()}")
     return replicas
 
 
-async def sync_weights(trainer: Service, generator: Service) -> SyncReport:
+async def sync_weights(trainer: Service, generator: Service,
+                       replicas: Sequence[Replica] | None = None) -> SyncReport:
     """Copy the weights of `trainer` (its first healthy replica holds the reference; DDP
-    keeps every rank equal) into every healthy replica of `generator`."""
+    keeps every rank equal) into `replicas` of `generator` (default: every healthy one)."""
     rm = trainer.rm
     source = _healthy(trainer)[0]
     source_slots = set(rm.tenants.get(source.tenant, source.allocation.slots))
     report, manifest = SyncReport(), None
-    for replica in _healthy(generator):
+    for replica in _healthy(generator) if replicas is None else replicas:
         if set(replica.allocation.slots) <= source_slots:
             report.handoff[replica.tenant] = await rm.handoff(source.tenant, replica.tenant)
             continue
@@ -55,10 +60,16 @@ async def sync_weights(trainer: Service, generator: Service) -> SyncReport:
                 f"{replica.tenant} runs on host(s) {sorted(hosts)}, the trainer's rank 0 on "
                 f"host {source.allocation.slots[0][0]}: weight sync across hosts is not "
                 "built yet; place both services on one host or in one resource group")
-        async with remote_errors():
-            if manifest is None:
-                rank0 = select(source.actors, hosts=0, gpus=0)
-                manifest = await rank0.export_weights.call_one()
+        if manifest is None:
+            async with remote_errors():
+                manifest = await select(source.actors, hosts=0, gpus=0
+                                        ).export_weights.call_one()
+        try:
             copied = await replica.actors.load_exported.call(manifest)
+        except Exception as err:
+            if generator.lose(replica, err):
+                report.lost.append(replica.tenant)
+                continue
+            raise err.exception from None  # the load itself raised (an ActorError)
         report.shared_memory[replica.tenant] = sum(v for _, v in copied.items())
     return report

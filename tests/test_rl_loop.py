@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
+import psutil
 import pytest
 
 from examples.rl_loop.config import load_config
@@ -26,6 +29,52 @@ async def test_grpo_beats_the_untrained_policy_and_writes_plots(tmp_path):
     assert len([s for s in metrics["steps"] if s["step"] >= 0]) == STEPS
     held = {r["tenant"] for r in metrics["memory"] if r["bytes"] > 0}
     assert held == {"trainer", "generator"}  # both held memory, in turn
+
+
+class KillingLoop(Loop):
+    """The loop, with the generator replica's proc killed (SIGKILL) as step `kill_at`
+    starts generating, and the weights every step ended with, to compare against."""
+
+    def __init__(self, *args, kill_at: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kill_at, self.index, self.killed_pid = kill_at, -1, 0
+        self.trainer_sums: list[str] = []
+        self.resynced_sum = ""
+
+    async def step(self, index: int):
+        self.index = index
+        row = await super().step(index)
+        self.trainer_sums.append(await self.trainer.checksum.route())
+        return row
+
+    async def generate(self, prompts, params, copies):
+        if self.index == self.kill_at and not self.killed_pid:
+            info = await self.generator.replicas[0].actors.describe.call_one()
+            self.killed_pid = info.pid
+            os.kill(info.pid, signal.SIGKILL)
+        return await super().generate(prompts, params, copies)
+
+    async def _resync(self, replica):
+        await super()._resync(replica)
+        self.resynced_sum = await replica.actors.checksum.call_one()  # before it serves
+
+
+async def test_the_loop_survives_a_killed_generator_replica(tmp_path):
+    """Trainer and generator on separate procs (a colocated kill takes the trainer too):
+    the step retries on the generator's respawned replica, which gets the trainer's
+    weights before it serves, and the run completes."""
+    cfg = load_config(overrides=["run.steps=8", "run.eval_every=8", "run.colocate=false",
+                                 f"run.out={tmp_path}"])
+    loop = KillingLoop(cfg, kill_at=3)
+    summary = await loop.run()
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert [s["step"] for s in metrics["steps"] if s["step"] >= 0] == list(range(8))
+    assert summary["final_eval_reward"] >= 0
+    assert loop.killed_pid and not psutil.pid_exists(loop.killed_pid)
+    replica = loop.generator.replicas[0]
+    assert replica.respawned == 1 and loop.resyncs == 1
+    # the respawned replica served with trained weights, never the initial ones
+    assert loop.resynced_sum in loop.trainer_sums[2:]
 
 
 def test_config_rejects_bad_overrides():

@@ -30,6 +30,7 @@ from examples.rl_loop.grpo import group_advantages
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.rollouts import GRPOLoss, make_batch
 from services import Service, ServiceConfig, spawn_service, sync_weights
+from services.replica import Health, Replica
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,10 +47,12 @@ def write_model(cfg: RLConfig, tokenizer: CharTokenizer, out: Path) -> Path:
 
 
 async def resident(service: Service) -> int:
-    """Bytes the service's tenants hold now, over all their procs (asked directly, since
-    a sleeping replica takes no routed calls)."""
+    """Bytes the service's healthy tenants hold now, over all their procs (asked directly,
+    since a sleeping replica takes no routed calls)."""
     total = 0
     for replica in service.replicas:
+        if replica.health is not Health.HEALTHY:
+            continue  # died: what it held went with its procs
         infos = await replica.actors.describe.call()
         total += sum(info.resident_bytes for _, info in infos.items())
     return total
@@ -65,6 +68,8 @@ class Loop:
         self.rng = random.Random(cfg.run.seed)
         self.record = RunRecord()
         self.bar: tqdm | None = None
+        self.training = asyncio.Lock()  # held from a train step through its weight sync
+        self.resyncs = 0  # generator replicas given the weights after a respawn
         self.postfix: dict[str, str] = {}  # the progress bar's reward, eval and phase
         self.sampling = SamplingParams(max_new_tokens=cfg.task.max_new_tokens,
                                        temperature=cfg.grpo.temperature,
@@ -81,13 +86,23 @@ class Loop:
         slots = run.slots if run.colocate else 2 * run.slots
         self.rm = await init("local", gpus_per_host=slots)
         groups = ("rl", "rl") if run.colocate else ("train", "generate")
+        # no respawn for the trainer: its weights and optimizer state die with its procs,
+        # and a trainer back at step 0 would be a silent restart
         self.trainer = await spawn_service(
-            ServiceConfig(procs_per_host=run.slots, resource_group=groups[0]), TrainerActor,
-            model_dir, lr=self.cfg.grpo.lr, max_grad_norm=self.cfg.grpo.max_grad_norm,
-            name="trainer")
+            ServiceConfig(procs_per_host=run.slots, resource_group=groups[0], respawn=False),
+            TrainerActor, model_dir, lr=self.cfg.grpo.lr,
+            max_grad_norm=self.cfg.grpo.max_grad_norm, name="trainer")
         self.generator = await spawn_service(
             ServiceConfig(num_replicas=run.slots, resource_group=groups[1]), GeneratorActor,
             model_dir, engine=run.engine, name="generator")
+        self.generator.on_respawn.append(self._resync)
+
+    async def _resync(self, replica: Replica) -> None:
+        """A generator replica came back from a failure with the initial weights: give it
+        the trainer's before it takes a call (never while a train step or a sync runs)."""
+        async with self.training:
+            await sync_weights(self.trainer, self.generator, [replica])
+        self.resyncs += 1
 
     async def stop(self) -> None:
         await self.rm.shutdown()
@@ -135,13 +150,14 @@ class Loop:
         advantages = group_advantages(rewards, cfg.grpo.group_size, cfg.grpo.scale_by_std,
                                       cfg.grpo.eps)
         batch = make_batch(tokens, completions, advantages, self.tokenizer.pad_id)
-        async with phase(self.trainer):
-            trainer_woken = clock()
-            await self._readings("train")
-            for _ in range(cfg.grpo.updates_per_batch):
-                metrics = await self.trainer.train_step.route(GRPOLoss(cfg.grpo), batch)
-        trained = clock()
-        await sync_weights(self.trainer, self.generator)
+        async with self.training:
+            async with phase(self.trainer):
+                trainer_woken = clock()
+                await self._readings("train")
+                for _ in range(cfg.grpo.updates_per_batch):
+                    metrics = await self.trainer.train_step.route(GRPOLoss(cfg.grpo), batch)
+            trained = clock()
+            await sync_weights(self.trainer, self.generator)
         await self._readings("sync")
         synced = clock()
         row = {"step": index, "reward": rewards.mean().item(), **metrics,
@@ -153,34 +169,41 @@ class Loop:
         return row
 
     async def run(self) -> dict[str, Any]:
+        """Train for `run.steps` steps; write the plots and metrics.json (also, with what
+        was done and the error, when the run fails) and return the summary."""
         await self.start()
         try:
-            await self._readings("start")
-            async with phase(self.generator):
-                untrained = await self.evaluate()
-            self.postfix["eval"] = f"{untrained:.2f}"
-            self.record.steps.append({"step": -1, "reward": float("nan"),
-                                      "eval_reward": untrained})
-            self.bar = tqdm(range(self.cfg.run.steps), desc="GRPO")
-            for index in self.bar:
-                row = await self.step(index)
-                self.record.steps.append(row)
-                self.postfix["reward"] = f"{row['reward']:.2f}"
-                if "eval_reward" in row:
-                    self.postfix["eval"] = f"{row['eval_reward']:.2f}"
-                self.bar.set_postfix(self.postfix, refresh=False)
-            self.bar.close()
+            await self._train()
+        except BaseException as err:
+            self.record.write(self.out, {"failed": f"{type(err).__name__}: {err}"})
+            raise
         finally:
             await self.stop()
-        steps = [s for s in self.record.steps if s["step"] >= 0]
+        first, *steps = self.record.steps
         summary = {
-            "untrained_eval_reward": untrained,
+            "untrained_eval_reward": first["eval_reward"],
             "final_eval_reward": steps[-1]["eval_reward"],
             "mean_step_s": sum(s["step_s"] for s in steps) / len(steps),
             "switch_share": sum(s["switch_s"] + s["sync_s"] for s in steps)
             / sum(s["step_s"] for s in steps),
             "engine": self.cfg.run.engine,
+            "generator_respawns": self.resyncs,
         }
-        self.record.steps[0]["reward"] = None
         self.record.write(self.out, summary)
         return summary
+
+    async def _train(self) -> None:
+        await self._readings("start")
+        async with phase(self.generator):
+            untrained = await self.evaluate()
+        self.postfix["eval"] = f"{untrained:.2f}"
+        self.record.steps.append({"step": -1, "reward": None, "eval_reward": untrained})
+        self.bar = tqdm(range(self.cfg.run.steps), desc="GRPO")
+        for index in self.bar:
+            row = await self.step(index)
+            self.record.steps.append(row)
+            self.postfix["reward"] = f"{row['reward']:.2f}"
+            if "eval_reward" in row:
+                self.postfix["eval"] = f"{row['eval_reward']:.2f}"
+            self.bar.set_postfix(self.postfix, refresh=False)
+        self.bar.close()
