@@ -217,6 +217,14 @@ def test_growing_residuals_warn_once():
     assert "'generator'" in message and "MiB" in message
 
 
+def test_growth_during_warmup_is_the_baseline_not_a_leak():
+    warming = [100 * MIB, 120 * MIB, 140 * MIB] + [150 * MIB] * 10  # grows once, then steady
+    assert len(observe_all(LeakTracker(), "gen", warming)) == 1
+    assert observe_all(LeakTracker(warmup=3), "gen", warming) == []
+    growing = [100 * MIB] * 3 + [150 * MIB + i * 10 * MIB for i in range(5)]
+    assert len(observe_all(LeakTracker(warmup=3), "gen", growing)) == 1  # still caught
+
+
 def test_growth_must_last_a_whole_window():
     tracker = LeakTracker(window=3)
     up, base = 200 * MIB, 100 * MIB
@@ -243,3 +251,5 @@ def test_leak_tracker_rejects_bad_settings():
         LeakTracker(window=0)
     with pytest.raises(ValueError):
         LeakTracker(tolerance_bytes=-1)
+    with pytest.raises(ValueError):
+        LeakTracker(warmup=-1)
