@@ -4,7 +4,8 @@ A generator replica on the same procs as a trainer replica (one resource group) 
 by a staged handoff through the arbiters: its weights wake while the trainer keeps only
 its weights, it copies them in place, the trainer sleeps, then its caches wake. So the
 peak is the two weight sets, never trainer + generator + cache. A replica on other procs
-of the same host loads them from shared memory, exported once by the trainer's rank 0.
+of the same host loads them from shared memory, exported once by the trainer's rank 0; a
+replica on another host reads them from the trainer's rank 0 over Monarch RDMA buffers.
 A generator replica found dead on the way is reported lost and left to its service, which
 respawns it; the others are synced all the same.
 """
@@ -27,11 +28,13 @@ class SyncReport:
 
     handoff: dict[str, int] = field(default_factory=dict)
     shared_memory: dict[str, int] = field(default_factory=dict)
+    rdma: dict[str, int] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.handoff.values()) + sum(self.shared_memory.values())
+        return sum(self.handoff.values()) + sum(self.shared_memory.values()) + \
+            sum(self.rdma.values())
 
 
 def _healthy(service: Service) -> list[Replica]:
@@ -49,27 +52,28 @@ async def sync_weights(trainer: Service, generator: Service,
     rm = trainer.rm
     source = _healthy(trainer)[0]
     source_slots = set(rm.tenants.get(source.tenant, source.allocation.slots))
-    report, manifest = SyncReport(), None
+    rank0 = select(source.actors, hosts=0, gpus=0)
+    source_host = source.allocation.slots[0][0]
+    report, offers = SyncReport(), {}
     for replica in _healthy(generator) if replicas is None else replicas:
         if set(replica.allocation.slots) <= source_slots:
             report.handoff[replica.tenant] = await rm.handoff(source.tenant, replica.tenant)
             continue
-        hosts = {h for h, _ in replica.allocation.slots}
-        if hosts != {source.allocation.slots[0][0]}:
-            raise NotImplementedError(
-                f"{replica.tenant} runs on host(s) {sorted(hosts)}, the trainer's rank 0 on "
-                f"host {source.allocation.slots[0][0]}: weight sync across hosts is not "
-                "built yet; place both services on one host or in one resource group")
-        if manifest is None:
+        # other procs: this host's shared memory, or RDMA buffers from another host
+        way = "shared_memory" if {h for h, _ in replica.allocation.slots} == {source_host} \
+            else "rdma"
+        if way not in offers:
             async with remote_errors():
-                manifest = await select(source.actors, hosts=0, gpus=0
-                                        ).export_weights.call_one()
+                offer = rank0.export_weights if way == "shared_memory" else rank0.offer_weights
+                offers[way] = await offer.call_one()
+        load = replica.actors.load_exported if way == "shared_memory" \
+            else replica.actors.load_remote
         try:
-            copied = await replica.actors.load_exported.call(manifest)
+            copied = await load.call(offers[way])
         except Exception as err:
             if generator.lose(replica, err):
                 report.lost.append(replica.tenant)
                 continue
             raise err.exception from None  # the load itself raised (an ActorError)
-        report.shared_memory[replica.tenant] = sum(v for _, v in copied.items())
+        getattr(report, way)[replica.tenant] = sum(v for _, v in copied.items())
     return report

@@ -1,5 +1,6 @@
 """Trainer and generator services on real Monarch procs: DDP training over gloo, then
-`sync_weights` by staged handoff (one resource group) or through shared memory (two)."""
+`sync_weights` by staged handoff (one resource group), through shared memory (two), or over
+Monarch RDMA buffers (two hosts)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from colocate.engines.actors import GeneratorActor, TrainerActor
 from colocate.engines.llama import Llama, LlamaConfig, save_pretrained
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tokenizer import CharTokenizer
+from colocate.testing import start_runtime
 from services import ServiceConfig, spawn_service, sync_weights
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("procs_import_tests")]
@@ -76,3 +78,26 @@ async def test_generator_in_another_group_loads_through_shared_memory(colocate_r
     report = await sync_weights(trainer, generator)
     assert set(report.shared_memory) == {"generator_r0"} and not report.handoff
     assert await generator.checksum.route() == await trainer.checksum.route()
+
+
+async def test_generator_on_another_host_reads_over_rdma(model_dir):
+    """Two hosts (Monarch's ProcessJob): the trainer on one, the generator on the other;
+    the weights cross over Monarch RDMA buffers (its TCP transport on this machine)."""
+    async with start_runtime("processes", hosts=2, gpus_per_host=1):
+        trainer = await spawn_service(ServiceConfig(resource_group="train"), TrainerActor,
+                                      model_dir, name="trainer")
+        generator = await spawn_service(ServiceConfig(resource_group="generate"),
+                                        GeneratorActor, model_dir, name="generator")
+        hosts = {s.replicas[0].allocation.slots[0][0] for s in (trainer, generator)}
+        assert hosts == {0, 1}
+        before = await generator.generate.route(PROMPTS, GREEDY)
+        await trainer.train_step.route(logit_loss, BATCH)
+        await trainer.train_step.route(logit_loss, BATCH)
+        trained = await trainer.checksum.route()
+        assert await generator.checksum.route() != trained
+        report = await sync_weights(trainer, generator)
+        assert set(report.rdma) == {"generator_r0"} and not report.shared_memory
+        assert report.rdma["generator_r0"] > 0 and not report.handoff
+        assert await generator.checksum.route() == trained
+        after = await generator.generate.route(PROMPTS, GREEDY)
+        assert [c.tokens for c in after] != [c.tokens for c in before]

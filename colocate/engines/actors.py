@@ -4,7 +4,9 @@ Both load the same Hugging Face directory (written by `llama.save_pretrained`), 
 start with the same weights. A trainer and a generator spawned in one resource group share
 each proc; `ResourceManager.handoff(trainer, generator)` then passes the trainer's weights
 to the generator in place (see `SlotArbiter.handoff`). Across procs of one host the
-trainer's `export_weights` and the generator's `load_exported` go through shared memory.
+trainer's `export_weights` and the generator's `load_exported` go through shared memory;
+across hosts, the trainer's `offer_weights` and the generator's `load_remote` go over
+Monarch RDMA buffers.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from colocate.engines import generator, trainer
 from colocate.engines.llama import load_pretrained
 from colocate.engines.sampling import Completion, SamplingParams
 from colocate.engines.weights import (
+    RemoteWeights,
     WeightManifest,
     digest,
     export_weights,
+    fetch_weights,
     import_weights,
+    offer_weights,
     published,
 )
 
@@ -38,6 +43,7 @@ class TrainerActor(TenantActor):
         self.trainer = trainer.PolicyTrainer(load_pretrained(model_dir), lr=lr,
                                              prefix=self.tenant_name, **options)
         self.exports = 0
+        self.offered: list = []  # the tensors under the last RDMA offer, kept alive
 
     @endpoint
     def sleep(self, stages: list[str] | None = None) -> int:
@@ -60,6 +66,14 @@ class TrainerActor(TenantActor):
         """The weights, in this host's shared memory, for a generator on other procs."""
         self.exports += 1
         return export_weights(self.trainer.named_weights(), self.tenant_name, self.exports)
+
+    @endpoint
+    def offer_weights(self) -> RemoteWeights:
+        """The weights as RDMA buffers, for generators on other hosts (valid until the
+        next offer)."""
+        self.exports += 1
+        self.offered = list(self.trainer.named_weights())
+        return offer_weights(self.offered, self.exports)
 
     @endpoint
     def checksum(self) -> str:
@@ -107,6 +121,12 @@ class GeneratorActor(TenantActor):
     @endpoint
     def load_exported(self, manifest: WeightManifest) -> int:
         return self.engine.load_weights(import_weights(manifest))
+
+    @endpoint
+    def load_remote(self, remote: RemoteWeights) -> int:
+        """Fetch offered weights from another host, then load them (nothing is written
+        unless every tensor arrived and matches)."""
+        return self.engine.load_weights(fetch_weights(remote))
 
     @endpoint
     def checksum(self) -> str:

@@ -1,12 +1,15 @@
-"""Moving weights between engines: by name into a model's own tensors, and through shared
-memory between processes of one host.
+"""Moving weights between engines: by name into a model's own tensors, through shared
+memory between processes of one host, and over Monarch RDMA buffers between hosts.
 
 Weights travel as `(name, tensor)` pairs with Hugging Face names. `copy_weights` writes
 them into a model's existing tensors (no new memory, addresses unchanged). Between
 processes, `export_weights` packs them into one file under /dev/shm and returns a small
 `WeightManifest` (what a message carries); `import_weights` maps that file and yields views
-of it, so the reader copies straight from shared memory. Within one process, a tenant
-`publish`es its weights by name and a colocated tenant reads them in place (`published`).
+of it, so the reader copies straight from shared memory. Across hosts, `offer_weights`
+wraps each tensor in a `monarch.rdma.RDMABuffer` (ibverbs where the hosts have it, else
+Monarch's TCP transport) and `fetch_weights` reads them all, in parallel, into new tensors.
+Within one process, a tenant `publish`es its weights by name and a colocated tenant reads
+them in place (`published`).
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -121,3 +125,43 @@ def _view(storage: torch.UntypedStorage, dtype: torch.dtype, shape, offset: int)
         count *= size
     flat = torch.tensor([], dtype=dtype).set_(storage, offset // dtype.itemsize, (count,))
     return flat.view(shape)
+
+
+@dataclass(frozen=True)
+class RemoteWeights:
+    """Weights another host can read: each tensor's name, dtype and shape, and an RDMA
+    buffer over its bytes. Valid while the offering process keeps the tensors alive."""
+
+    entries: tuple[tuple[str, str, tuple[int, ...]], ...]  # name, dtype, shape
+    buffers: tuple[Any, ...]  # monarch.rdma.RDMABuffer, one per entry
+    version: int = 0
+
+
+def offer_weights(named: Sequence[tuple[str, torch.Tensor]], version: int = 0
+                  ) -> RemoteWeights:
+    """RDMA buffers over the tensors themselves (no copy). Call it inside a Monarch actor
+    and keep `named` alive until every reader has fetched."""
+    from monarch.rdma import RDMABuffer
+
+    not_contiguous = [name for name, t in named if not t.is_contiguous()]
+    if not_contiguous:
+        raise ValueError(f"offer_weights needs contiguous tensors; {not_contiguous[:5]} are "
+                         "not (pass .contiguous() copies, and keep them alive)")
+    entries = tuple((name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                    for name, t in named)
+    buffers = tuple(RDMABuffer(t.detach().reshape(-1).view(torch.uint8)) for _, t in named)
+    return RemoteWeights(entries, buffers, version)
+
+
+def fetch_weights(remote: RemoteWeights, timeout_s: int = 60
+                  ) -> list[tuple[str, torch.Tensor]]:
+    """Read every offered tensor into a new CPU tensor (all reads in flight at once); blocks
+    until all arrived (call it from a synchronous endpoint)."""
+    tensors = [(name, torch.empty(shape, dtype=getattr(torch, dtype)))
+               for name, dtype, shape in remote.entries]
+    reads = [buffer.read_into(t.reshape(-1).view(torch.uint8), timeout=timeout_s)
+             for buffer, (_, t) in zip(remote.buffers, tensors, strict=True)]
+    for read in reads:
+        read.get()
+    return tensors
+
