@@ -9,6 +9,11 @@
 On entry the arbiters wake each named tenant in turn, putting to sleep whoever conflicts.
 On exit nothing moves: the tenant stays awake until another phase needs its slots, so a
 repeated phase costs no switch.
+
+The blocking form runs the switch on a helper thread's loop while it holds the caller's. In
+Jupyter, where a loop always runs, a call still in flight on that loop (a background task)
+cannot finish meanwhile, so the switch waits out the services' `wait_timeout_s` before it
+puts that call's tenant to sleep: there, with tasks in the background, use `async with`.
 """
 
 from __future__ import annotations
