@@ -135,11 +135,14 @@ class Loop:
         return sum(rewards) / len(rewards)
 
     async def step(self, index: int) -> dict[str, Any]:
+        """One GRPO step; returns its metrics and where its time went. The memory readings
+        taken for the plots are timed apart (`readings_s`), outside every other figure."""
         cfg, clock = self.cfg, time.monotonic
         start = clock()
         async with phase(self.generator):  # no switch: the last sync left it awake
             woken = clock()
             await self._readings("generate")
+            generating = clock()
             prompts = task.sample_prompts(cfg.task, cfg.grpo.prompts_per_step, self.rng)
             tokens, completions = await self.generate(prompts, self.sampling,
                                                       cfg.grpo.group_size)
@@ -150,20 +153,25 @@ class Loop:
         advantages = group_advantages(rewards, cfg.grpo.group_size, cfg.grpo.scale_by_std,
                                       cfg.grpo.eps)
         batch = make_batch(tokens, completions, advantages, self.tokenizer.pad_id)
+        scored = clock()
         async with self.training:
             async with phase(self.trainer):
                 trainer_woken = clock()
                 await self._readings("train")
+                training = clock()
                 for _ in range(cfg.grpo.updates_per_batch):
                     metrics = await self.trainer.train_step.route(GRPOLoss(cfg.grpo), batch)
             trained = clock()
             await sync_weights(self.trainer, self.generator)
-        await self._readings("sync")
         synced = clock()
+        await self._readings("sync")
+        readings = (generating - woken) + (training - trainer_woken)
         row = {"step": index, "reward": rewards.mean().item(), **metrics,
-               "generate_s": generated - woken, "train_s": trained - trainer_woken,
-               "switch_s": (woken - start) + (trainer_woken - generated),
-               "sync_s": synced - trained, "step_s": synced - start}
+               "generate_s": generated - generating, "score_s": scored - generated,
+               "train_s": trained - training,
+               "switch_s": (woken - start) + (trainer_woken - scored),
+               "sync_s": synced - trained, "step_s": synced - start - readings,
+               "readings_s": readings + (clock() - synced)}
         if (index + 1) % cfg.run.eval_every == 0 or index + 1 == cfg.run.steps:
             row["eval_reward"] = await self.evaluate()
         return row
