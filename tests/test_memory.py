@@ -74,6 +74,27 @@ def cycles_scenario(cycles: int) -> dict:
             "identical": _digest(kept) == digest}
 
 
+def freed_scratch_scenario() -> dict:
+    """A tenant that freed 64 MiB of small untagged tensors (activations, say) while one
+    later allocation pins the top of the heap, so malloc keeps the pages."""
+    from colocate.arbiter.tenant import TaggedTenant
+
+    tenant = TaggedTenant({"weights": "scratch-owner/weights"}, backup={"weights": True})
+    weights = _filled(MiB, seed=6)
+    tenant.adopt(weights, "weights")
+    scratch = [torch.ones(16 * 1024) for _ in range(1024)]  # 64 KiB each
+    pin = torch.ones(16 * 1024)
+    del scratch
+    before = _rss()
+    memory.pause("scratch-owner/weights")
+    paused_only = before - _rss()
+    memory.resume("scratch-owner/weights")
+    before = _rss()
+    expected = tenant.sleep()
+    return {"expected": expected, "paused_only": paused_only, "slept": before - _rss(),
+            "pin": pin.numel(), "weights": weights.numel()}
+
+
 # -- tests ------------------------------------------------------------------------------
 
 def test_pause_releases_and_resume_restores_in_place(isolated):
@@ -92,6 +113,13 @@ def test_thousand_cycles_do_not_drift(isolated):
     assert out["identical"]
     assert abs(out["last"] - out["first"]) < 0.01 * out["first"], out
     assert out["max"] - out["first"] < 0.01 * out["first"], out
+
+
+def test_a_sleep_gives_back_freed_untagged_memory(isolated):
+    out = isolated(freed_scratch_scenario)
+    assert out["expected"] == MiB  # the arbiter expects the tagged bytes back...
+    assert out["paused_only"] < 8 * MiB, out  # ...a pause alone leaves malloc's pages
+    assert out["slept"] >= 48 * MiB, out  # the tenant's sleep returns them as well
 
 
 def test_bad_transitions_raise_and_the_process_goes_on():

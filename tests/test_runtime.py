@@ -80,6 +80,26 @@ async def test_two_hundred_alternations_do_not_drift():
         assert abs(used[-1] - used[0]) < 0.02 * used[0], (used[0], used[-1])
 
 
+async def test_the_managers_view_follows_each_switch_and_skips_needless_ones():
+    async with start_runtime(gpus_per_host=2) as rm:
+        await two_tenants(rm, mib=8)  # a is awake: b went to sleep as it registered
+        drained: list[set[str]] = []
+
+        async def record(touched: set[str]) -> None:
+            drained.append(set(touched))
+
+        rm.drainers.append(record)
+        for step, name in enumerate(["a", "b", "b", "a", "sleep a", "a", "a"]):
+            if name == "sleep a":
+                await rm.sleep("a")
+            else:
+                await rm.wake(name)
+            assert rm.host_status == await rm.status(), step  # the answers kept the view
+            assert rm.awake == {"a": name == "a", "b": name == "b"}, step
+        # a wake of an awake tenant makes no switch; a sleep of a touches a, a wake of a b
+        assert drained == [{"a"}, {"b"}, {"a"}, {"b"}]
+
+
 async def test_concurrent_conflicting_wakes_never_leave_two_awake():
     async with start_runtime(gpus_per_host=2) as rm:
         await two_tenants(rm, mib=8)

@@ -97,10 +97,14 @@ class ActorTenantHandle:
             return await self.actor.receive.call_one(source)
 
 
+HostStatus = dict[int, dict[str, list[str] | None]]  # slot -> tenant -> awake stages
+
+
 class Arbiter(Actor):
     """One per host: the `SlotArbiter` of that host's slots, reached by message.
 
-    Endpoints run concurrently; the per-slot locks inside serialize what conflicts.
+    Endpoints run concurrently; the per-slot locks inside serialize what conflicts. A switch
+    answers with the host's status after it, so the caller's view needs no second call.
     """
 
     def __init__(self, slots: list[int], config: ArbiterConfig | None = None) -> None:
@@ -116,19 +120,23 @@ class Arbiter(Actor):
 
     @concurrent_endpoint
     async def wake(self, name: str, slots: list[int] | None = None,
-                   stages: list[str] | None = None) -> None:
+                   stages: list[str] | None = None) -> HostStatus:
         await self.core.wake(name, slots, stages)
+        return self.core.status()
 
     @concurrent_endpoint
-    async def sleep(self, name: str, slots: list[int] | None = None) -> None:
+    async def sleep(self, name: str, slots: list[int] | None = None) -> HostStatus:
         await self.core.sleep(name, slots)
+        return self.core.status()
 
     @concurrent_endpoint
     async def handoff(self, source: str, target: str, slots: list[int] | None = None,
-                      keep: list[str] | None = None, first: list[str] | None = None) -> int:
-        return await self.core.handoff(source, target, slots, keep or ["weights"],
-                                       first or ["weights"])
+                      keep: list[str] | None = None, first: list[str] | None = None
+                      ) -> tuple[int, HostStatus]:
+        copied = await self.core.handoff(source, target, slots, keep or ["weights"],
+                                         first or ["weights"])
+        return copied, self.core.status()
 
     @concurrent_endpoint
-    async def status(self) -> dict[int, dict[str, list[str] | None]]:
+    async def status(self) -> HostStatus:
         return self.core.status()

@@ -11,7 +11,8 @@
 Backends: torch_memory_saver on CUDA (`colocate.memory.cuda`), an mmap arena on CPU
 (`colocate.memory.arena`). Without backup, a resumed tag holds memory again but its
 contents are lost (zeros on CPU, garbage on CUDA). Every transition is checked first
-and a bad one raises a `TaggedMemoryError`; the process stays usable.
+and a bad one raises a `TaggedMemoryError`; the process stays usable. `release_cached()`
+returns freed untagged memory that allocators keep (a sleeping trainer's activations).
 
 The functions below act on one registry per process, shared by every thread and actor.
 """
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from colocate.memory.cached import release_cached
 from colocate.memory.cuda import check_allocator_conf, preload_env
 from colocate.memory.errors import (
     CudaSetupError,
@@ -98,6 +100,6 @@ def tags() -> list[str]:
 __all__ = [
     "CudaSetupError", "TagConflictError", "TagPausedError", "TagState", "TagStateError",
     "TaggedMemoryError", "UnknownTagError", "adopt", "check_allocator_conf",
-    "ensure_active", "pause", "preload_env", "region", "resident_bytes", "resume", "state",
-    "tagged_bytes", "tags",
+    "ensure_active", "pause", "preload_env", "region", "release_cached", "resident_bytes",
+    "resume", "state", "tagged_bytes", "tags",
 ]

@@ -29,7 +29,7 @@ import monarch.actor
 from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
 from monarch.actor import Actor, default_bootstrap_cmd, endpoint
 
-from colocate.arbiter.actor import Arbiter, TenantActor, remote_errors
+from colocate.arbiter.actor import Arbiter, HostStatus, TenantActor, remote_errors
 from colocate.arbiter.core import ArbiterConfig
 from colocate.arbiter.errors import ArbiterError
 from colocate.resources.hosts import HostJob, start_hosts
@@ -115,6 +115,7 @@ class ResourceManager:
         self.tenants: dict[str, list[tuple[int, int]]] = {}  # name -> (host, slot)
         self.stages: dict[str, tuple[str, ...]] = {}  # name -> its stages
         self.awake: dict[str, bool] = {}  # name -> fully awake on all its slots (last view)
+        self.host_status: dict[int, HostStatus] = {}  # the arbiters' answers, last view
         self.drainers: list[Callable[[set[str]], Awaitable[None]]] = []
         self._switching: Counter[str] = Counter()
         self.spawned: set[str] = set()  # every actor mesh name spawned, tenant or not
@@ -265,16 +266,22 @@ class ResourceManager:
         return by_host
 
     async def wake(self, name: str, stages: list[str] | None = None) -> None:
-        """Make `name` awake on all its slots; its hosts switch in parallel."""
+        """Make `name` awake on all its slots; its hosts switch in parallel.
+
+        Every switch goes through this manager, which keeps the arbiters' view after it: a
+        tenant awake since then, with no switch in flight that may put it to sleep, is left
+        as it is without a call."""
         by_host = self._by_host(name)
-        await self._switch(self._neighbours(name), lambda: [
-            self.arbiter(h).wake.call_one(name, slots, stages) for h, slots in by_host.items()])
+        if self.routable(name):
+            return
+        await self._switch(self._neighbours(name), lambda: {
+            h: self.arbiter(h).wake.call_one(name, slots, stages) for h, slots in by_host.items()})
 
     async def sleep(self, name: str) -> None:
         """Put `name` to sleep on all its slots, verified."""
         by_host = self._by_host(name)
-        await self._switch({name}, lambda: [
-            self.arbiter(h).sleep.call_one(name, slots) for h, slots in by_host.items()])
+        await self._switch({name}, lambda: {
+            h: self.arbiter(h).sleep.call_one(name, slots) for h, slots in by_host.items()})
 
     async def handoff(self, source: str, target: str, keep: list[str] | None = None,
                       first: list[str] | None = None) -> int:
@@ -288,16 +295,18 @@ class ResourceManager:
             raise ArbiterError(f"handoff {source} -> {target}: {source} is not on {target}'s "
                                f"(host, slot)s {sorted(apart)}; colocate them in one resource "
                                "group, or sync through shared memory (services.sync_weights)")
-        copied = [0]
+        copied = 0
 
-        def calls() -> list[Any]:
-            async def on(host: int, slots: list[int]) -> None:
-                copied[0] += await self.arbiter(host).handoff.call_one(
-                    source, target, slots, keep, first)
-            return [on(h, slots) for h, slots in by_host.items()]
+        async def on(host: int, slots: list[int]) -> HostStatus:
+            nonlocal copied
+            moved, status = await self.arbiter(host).handoff.call_one(
+                source, target, slots, keep, first)
+            copied += moved
+            return status
 
-        await self._switch(self._neighbours(target) | {source}, calls)
-        return copied[0]
+        await self._switch(self._neighbours(target) | {source},
+                           lambda: {h: on(h, slots) for h, slots in by_host.items()})
+        return copied
 
     def _neighbours(self, name: str) -> set[str]:
         """The tenants that share a slot with `name`: a wake of `name` may put them to sleep."""
@@ -305,25 +314,36 @@ class ResourceManager:
         return {other for other, slots in self.tenants.items()
                 if other != name and mine.intersection(slots)}
 
-    async def _switch(self, touched: set[str], calls: Callable[[], list[Any]]) -> None:
-        """Make arbiter calls that may put `touched` to sleep: first stop routing to them and
-        let the drainers (services) finish their in-flight requests; after, refresh `awake`.
+    async def _switch(self, touched: set[str],
+                      calls: Callable[[], dict[int, Awaitable[HostStatus]]]) -> None:
+        """Make arbiter calls (host -> call) that may put `touched` to sleep: first stop
+        routing to them and let the drainers (services) finish their in-flight requests;
+        after, update `awake` from the hosts' answers (from every host's status, when a call
+        failed and left its host's state unknown).
 
         `calls` makes the calls only when invoked: a Monarch call is sent when it is made,
         not when it is awaited, so making them before the drain would race it."""
         self._switching.update(touched)
         try:
             await asyncio.gather(*(drain(touched) for drain in self.drainers))
-            async with remote_errors():
-                await asyncio.gather(*calls())
-        finally:
+            pending = calls()
             try:
+                async with remote_errors():
+                    answers = await asyncio.gather(*pending.values())
+            except BaseException:
                 await self._refresh()  # before routing resumes: the old view is stale now
-            finally:
-                self._switching.subtract(touched)
+                raise
+            self.host_status.update(zip(pending, answers, strict=True))
+            self._update_awake()
+        finally:
+            self._switching.subtract(touched)
 
     async def _refresh(self) -> None:
-        status = await self.status()
+        self.host_status = await self.status()
+        self._update_awake()
+
+    def _update_awake(self) -> None:
+        status = self.host_status
         self.awake = {
             name: all(set(status[h][slot].get(name) or ()) >= set(self.stages.get(name, ()))
                       and bool(status[h][slot].get(name)) for h, slot in slots)
@@ -358,7 +378,7 @@ class ResourceManager:
         return Allocation(allocation.group, allocation.owner, procs, slots, allocation.hosts,
                           per_host)
 
-    async def status(self) -> dict[int, dict[int, dict[str, list[str] | None]]]:
+    async def status(self) -> dict[int, HostStatus]:
         """host -> slot -> tenant -> awake stages ([] asleep, None unknown)."""
         found = await self.arbiters.status.call()
         return {point["hosts"] if "hosts" in dict(point) else 0: value
