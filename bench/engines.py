@@ -42,7 +42,7 @@ from colocate.engines.llama import Llama, LlamaConfig, load_pretrained, save_pre
 from colocate.engines.sampling import SamplingParams  # noqa: E402
 from colocate.engines.tokenizer import CharTokenizer  # noqa: E402
 from colocate.engines.trainer import PolicyTrainer  # noqa: E402
-from colocate.engines.weights import copy_weights, export_weights, import_weights  # noqa: E402
+from colocate.engines.weights import copy_weights, export_weights, read_exported  # noqa: E402
 
 MIN_SYNC_RATIO = 0.7
 GiB = 1 << 30
@@ -101,8 +101,9 @@ def sync_rows(config: LlamaConfig, rounds: int) -> dict:
 
     ways = {"raw": raw,
             "in place": lambda: copy_weights(gen.model, trainer.named_weights()),
-            "shared memory": lambda: copy_weights(gen.model, import_weights(
-                export_weights(trainer.named_weights(), "bench_engines")))}
+            "shared memory": lambda: read_exported(
+                export_weights(trainer.named_weights(), "bench_engines"),
+                lambda views: copy_weights(gen.model, views))}
     times: dict[str, list[float]] = {way: [] for way in ways}
     for _ in tqdm(range(rounds), desc="weight sync", leave=False):
         for way, fn in ways.items():  # alternated: both see the same machine state

@@ -5,6 +5,8 @@ staged handoff between a real trainer and generator in one process."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 
 import pytest
 import torch
@@ -17,7 +19,12 @@ from colocate.engines.llama import KVCache, Llama, LlamaConfig, load_pretrained,
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tokenizer import CharTokenizer
 from colocate.engines.trainer import PolicyTrainer
-from colocate.engines.weights import digest, export_weights, import_weights
+from colocate.engines.weights import (
+    StaleWeightsError,
+    digest,
+    export_weights,
+    read_exported,
+)
 
 TOKENIZER = CharTokenizer("0123456789+=>")
 SMALL = LlamaConfig(vocab_size=TOKENIZER.vocab_size, dim=64, n_heads=2, n_kv_heads=1,
@@ -173,7 +180,7 @@ def test_trainer_sleeps_all_its_memory_and_trains_on_identically(isolated):
 # -- weight sync across processes ---------------------------------------------------------------
 
 def read_export(manifest) -> str:
-    return digest(import_weights(manifest))
+    return read_exported(manifest, digest)
 
 
 def test_shared_memory_export_reaches_another_process(isolated):
@@ -181,6 +188,31 @@ def test_shared_memory_export_reaches_another_process(isolated):
     manifest = export_weights(net.state_dict().items(), "test_engines/export", version=3)
     assert manifest.version == 3
     assert isolated(read_export, manifest) == digest(net.state_dict().items())
+    inode = os.stat(manifest.path).st_ino
+    net.apply(lambda m: [p.data.add_(1) for p in m.parameters(recurse=False)])
+    again = export_weights(net.state_dict().items(), "test_engines/export", version=4)
+    assert os.stat(again.path).st_ino == inode  # written in place, over the last export
+    assert isolated(read_export, again) == digest(net.state_dict().items())
+
+
+def test_an_export_during_a_read_is_detected():
+    net = model(7)
+    key = "test_engines/overwritten"
+    first = export_weights(net.state_dict().items(), key, version=1)
+
+    def load_while_exporting(views):
+        copied = [(name, t.clone()) for name, t in views]
+        export_weights(net.state_dict().items(), key, version=2)  # a second writer
+        return copied
+
+    with pytest.raises(StaleWeightsError, match="version 2 after the read.*may be torn"):
+        read_exported(first, load_while_exporting)
+    with pytest.raises(StaleWeightsError, match="before the read.*nothing was loaded"):
+        read_exported(first, digest)
+    grown = dataclasses.replace(SMALL, dim=2 * SMALL.dim)
+    export_weights(model(7, grown).state_dict().items(), key, version=3)
+    with pytest.raises(StaleWeightsError, match="other tensors"):
+        read_exported(first, digest)
 
 
 # -- the staged handoff through the arbiter ---------------------------------------------------

@@ -26,9 +26,9 @@ from colocate.engines.weights import (
     digest,
     export_weights,
     fetch_weights,
-    import_weights,
     offer_weights,
     published,
+    read_exported,
 )
 
 ENGINES = ("torch", "vllm")
@@ -120,7 +120,7 @@ class GeneratorActor(TenantActor):
 
     @endpoint
     def load_exported(self, manifest: WeightManifest) -> int:
-        return self.engine.load_weights(import_weights(manifest))
+        return read_exported(manifest, self.engine.load_weights)
 
     @endpoint
     def load_remote(self, remote: RemoteWeights) -> int:

@@ -3,11 +3,14 @@ memory between processes of one host, and over Monarch RDMA buffers between host
 
 Weights travel as `(name, tensor)` pairs with Hugging Face names. `copy_weights` writes
 them into a model's existing tensors (no new memory, addresses unchanged). Between
-processes, `export_weights` packs them into one file under /dev/shm and returns a small
-`WeightManifest` (what a message carries); `import_weights` maps that file and yields views
-of it, so the reader copies straight from shared memory. Across hosts, `offer_weights`
-wraps each tensor in a `monarch.rdma.RDMABuffer` (ibverbs where the hosts have it, else
-Monarch's TCP transport) and `fetch_weights` reads them all, in parallel, into new tensors.
+processes, `export_weights` writes them into one file under /dev/shm, in place over the
+last export, and returns a small `WeightManifest` (what a message carries);
+`read_exported` hands views of that file to a loader, so the reader copies straight from
+shared memory, then checks that no export overwrote them meanwhile. Both sides keep their
+mapping of the file, so a repeated sync writes and reads pages already in place. Across
+hosts, `offer_weights` wraps each tensor in a `monarch.rdma.RDMABuffer` (ibverbs where the
+hosts have it, else Monarch's TCP transport) and `fetch_weights` reads them all, in
+parallel, into new tensors.
 Within one process, a tenant `publish`es its weights by name and a colocated tenant reads
 them in place (`published`).
 """
@@ -17,15 +20,16 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 ALIGN = 64
+T = TypeVar("T")
 WeightSource = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 _published: dict[str, WeightSource] = {}
 
@@ -84,6 +88,13 @@ class WeightManifest:
     version: int = 0
 
 
+class StaleWeightsError(RuntimeError):
+    """Exported weights were overwritten (or removed) before a reader was done with them."""
+
+
+WRITING = -1  # the header's value while an export writes
+
+
 def _shm_dir() -> Path:
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     path = base / f"colocate-weights-{os.getuid()}"
@@ -91,32 +102,79 @@ def _shm_dir() -> Path:
     return path
 
 
+_mappings: dict[str, tuple[tuple[int, int], torch.UntypedStorage]] = {}
+
+
+def _mapping(path: Path, nbytes: int) -> torch.UntypedStorage:
+    """This process's shared mapping of the `nbytes` file at `path`, kept across calls and
+    made again when the file was replaced."""
+    stat = os.stat(path)
+    if stat.st_size != nbytes:
+        raise StaleWeightsError(f"{path} holds {stat.st_size} bytes, not {nbytes}: it was "
+                                "exported again with other tensors; sync again")
+    identity = (stat.st_ino, stat.st_size)
+    cached = _mappings.get(str(path))
+    if cached is None or cached[0] != identity:
+        storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=nbytes)
+        cached = _mappings[str(path)] = (identity, storage)
+    return cached[1]
+
+
+def _header(storage: torch.UntypedStorage) -> torch.Tensor:
+    return _view(storage, torch.int64, (1,), 0)
+
+
 def export_weights(named: Iterable[tuple[str, torch.Tensor]], key: str,
                    version: int = 0) -> WeightManifest:
-    """Pack the tensors into the shared-memory file of `key` (replacing its last export)."""
+    """Write the tensors into the shared-memory file of `key`, over its last export. Its
+    header says `WRITING` until every tensor is in, then `version` (>= 0)."""
+    if version < 0:
+        raise ValueError(f"version={version}: must be >= 0")
     tensors = [(name, t.detach()) for name, t in named]
-    entries, offset = [], 0
+    entries, offset = [], ALIGN  # the header comes first
     for name, t in tensors:
         entries.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
         offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     path = _shm_dir() / f"{key.replace('/', '_')}.bin"
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    storage = torch.UntypedStorage.from_file(str(tmp), shared=True, nbytes=max(offset, 1))
+    if not path.exists() or path.stat().st_size != offset:  # a new file, all at once
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.truncate(offset)
+        os.replace(tmp, path)
+    storage = _mapping(path, offset)
+    _header(storage).fill_(WRITING)
     for (_, t), (_, _, _, start) in zip(tensors, entries, strict=True):
         _view(storage, t.dtype, t.shape, start).copy_(t)
-    os.replace(tmp, path)  # readers never see a half-written file
+    _header(storage).fill_(version)
     return WeightManifest(str(path), offset, tuple(entries), version)
 
 
-def import_weights(manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
-    """Views of the exported tensors, backed by the shared-memory file (no copy)."""
-    if not os.path.exists(manifest.path):
-        raise FileNotFoundError(f"exported weights {manifest.path} are gone (removed, or "
-                                "another host's /dev/shm): export them again on this host")
-    storage = torch.UntypedStorage.from_file(manifest.path, shared=True,
-                                             nbytes=max(manifest.nbytes, 1))
-    for name, dtype, shape, offset in manifest.entries:
-        yield name, _view(storage, getattr(torch, dtype), shape, offset)
+def read_exported(manifest: WeightManifest,
+                  load: Callable[[Iterable[tuple[str, torch.Tensor]]], T]) -> T:
+    """`load(views)` over the exported tensors (views of shared memory: `load` copies what
+    it keeps), with the file checked to hold `manifest.version` before and after. Raises
+    `StaleWeightsError` when it does not; after `load` ran, what it copied is torn then."""
+    path = Path(manifest.path)
+    if not path.exists():
+        raise StaleWeightsError(f"exported weights {path} are gone (removed, or another "
+                                "host's /dev/shm): export them again on this host")
+    storage = _mapping(path, manifest.nbytes)
+
+    def check(when: str, consequence: str) -> None:
+        found = int(_header(storage).item())
+        if found != manifest.version:
+            state = "being written" if found == WRITING else f"version {found}"
+            raise StaleWeightsError(
+                f"exported weights {path} are {state} {when}, not version "
+                f"{manifest.version}: another export of the same key ran meanwhile; "
+                f"{consequence}. Sync again, one export at a time per key.")
+
+    check("before the read", "nothing was loaded")
+    views = [(name, _view(storage, getattr(torch, dtype), shape, offset))
+             for name, dtype, shape, offset in manifest.entries]
+    loaded = load(views)
+    check("after the read", "the loaded weights may be torn")
+    return loaded
 
 
 def _view(storage: torch.UntypedStorage, dtype: torch.dtype, shape, offset: int) -> torch.Tensor:
