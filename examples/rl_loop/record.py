@@ -55,18 +55,31 @@ class RunRecord:
         plt.close(fig)
 
     def _plot_memory(self, path: Path) -> None:
-        fig, ax = plt.subplots(figsize=(9, 4))
-        for tenant in sorted({r["tenant"] for r in self.memory}):
-            rows = [r for r in self.memory if r["tenant"] == tenant]
-            ax.step([r["t"] for r in rows], [r["bytes"] / 2**20 for r in rows], where="post",
-                    label=tenant)
-        for t, label in self.phases:
-            ax.axvline(t, color="grey", lw=0.5, alpha=0.5)
-            if len(self.phases) <= 12:
-                ax.text(t, ax.get_ylim()[1], label, rotation=90, va="top", fontsize=7)
-        ax.set(xlabel="seconds", ylabel="MiB held (tagged, resident)",
-               title="memory per tenant; grey lines: phase switches")
-        ax.legend()
+        """The whole run, and (once there are three) the last three steps up close, where
+        each switch can be seen."""
+        starts = [t for t, label in self.phases if label == "generate"]
+        zoom = starts[-3] if len(starts) >= 3 else None
+        fig, axes = plt.subplots(1 if zoom is None else 2, 1, figsize=(9, 7 if zoom else 4),
+                                 squeeze=False)
+        self._memory_panel(axes[0][0], "memory per tenant; grey lines: phase switches", 0.0)
+        if zoom is not None:
+            self._memory_panel(axes[1][0], "the last three steps", zoom)
         fig.tight_layout()
         fig.savefig(path)
         plt.close(fig)
+
+    def _memory_panel(self, ax: Any, title: str, since: float) -> None:
+        """Memory per tenant from `since` on (with the reading in force then)."""
+        for tenant in sorted({r["tenant"] for r in self.memory}):
+            rows = [r for r in self.memory if r["tenant"] == tenant]
+            before = [r for r in rows if r["t"] < since][-1:]
+            rows = [*({**r, "t": since} for r in before), *(r for r in rows if r["t"] >= since)]
+            ax.step([r["t"] for r in rows], [r["bytes"] / 2**20 for r in rows], where="post",
+                    label=tenant)
+        phases = [(t, label) for t, label in self.phases if t >= since]
+        for t, label in phases:
+            ax.axvline(t, color="grey", lw=0.5, alpha=0.5)
+            if len(phases) <= 12:
+                ax.text(t, ax.get_ylim()[1], label, rotation=90, va="top", fontsize=7)
+        ax.set(xlabel="seconds", ylabel="MiB held (tagged, resident)", title=title)
+        ax.legend()
