@@ -145,9 +145,14 @@ class Service:
             await asyncio.sleep(POLL_S)
 
     def failures(self) -> str:
-        """Each replica's health and, for a failed one, why."""
-        return "; ".join(f"replica {r.index}: {r.health.value} ({r.failure})"
-                         for r in self.replicas)
+        """Each replica's health and, for a failed one, why; and what to do when a failed
+        one will not come back by itself."""
+        found = "; ".join(f"replica {r.index}: {r.health.value} ({r.failure})"
+                          for r in self.replicas)
+        if not self.config.respawn and any(r.health is Health.FAILED for r in self.replicas):
+            found += (f"; service {self.name!r} does not respawn replicas (respawn=False), "
+                      "so a failed one stays failed: spawn the service again")
+        return found
 
     def _choose(self, candidates: list[Replica], session: str | None) -> Replica:
         if session is not None:

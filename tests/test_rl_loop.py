@@ -11,6 +11,7 @@ import pytest
 
 from examples.rl_loop.config import load_config
 from examples.rl_loop.loop import Loop
+from services.errors import ServiceUnavailableError
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -45,7 +46,8 @@ class KillingLoop(Loop):
     async def step(self, index: int):
         self.index = index
         row = await super().step(index)
-        self.trainer_sums.append(await self.trainer.checksum.route())
+        if not self.cfg.run.colocate:  # colocated, the trainer sleeps after each sync
+            self.trainer_sums.append(await self.trainer.checksum.route())
         return row
 
     async def generate(self, prompts, params, copies):
@@ -76,6 +78,18 @@ async def test_the_loop_survives_a_killed_generator_replica(tmp_path):
     assert replica.respawned == 1 and loop.resyncs == 1
     # the respawned replica served with trained weights, never the initial ones
     assert loop.resynced_sum in loop.trainer_sums[2:]
+
+
+async def test_a_killed_colocated_proc_ends_the_run_with_the_cause(tmp_path):
+    """Colocated, the kill takes the trainer too, whose weights and optimizer state cannot
+    come back: the run stops with an error that says so, and keeps the steps it finished."""
+    cfg = load_config(overrides=["run.steps=8", "run.eval_every=8", f"run.out={tmp_path}"])
+    cause = r"(?s)'generator' has no healthy.*'trainer' does not respawn.*spawn the service"
+    with pytest.raises(ServiceUnavailableError, match=cause):
+        await KillingLoop(cfg, kill_at=3).run()
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert "ServiceUnavailableError" in metrics["summary"]["failed"]
+    assert [s["step"] for s in metrics["steps"] if s["step"] >= 0] == [0, 1, 2]
 
 
 def test_config_rejects_bad_overrides():
