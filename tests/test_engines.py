@@ -195,6 +195,15 @@ def test_shared_memory_export_reaches_another_process(isolated):
     assert isolated(read_export, again) == digest(net.state_dict().items())
 
 
+def export_and_exit(key: str) -> str:
+    return export_weights(model(8).state_dict().items(), key).path
+
+
+def test_an_export_goes_when_its_writer_exits(isolated):
+    path = isolated(export_and_exit, "test_engines/exits")
+    assert path.endswith("test_engines_exits.bin") and not os.path.exists(path)
+
+
 def test_an_export_during_a_read_is_detected():
     net = model(7)
     key = "test_engines/overwritten"

@@ -7,7 +7,8 @@ processes, `export_weights` writes them into one file under /dev/shm, in place o
 last export, and returns a small `WeightManifest` (what a message carries);
 `read_exported` hands views of that file to a loader, so the reader copies straight from
 shared memory, then checks that no export overwrote them meanwhile. Both sides keep their
-mapping of the file, so a repeated sync writes and reads pages already in place. Across
+mapping of the file, so a repeated sync writes and reads pages already in place; the file
+goes when its writer's process exits. Across
 hosts, `offer_weights` wraps each tensor in a `monarch.rdma.RDMABuffer` (ibverbs where the
 hosts have it, else Monarch's TCP transport) and `fetch_weights` reads them all, in
 parallel, into new tensors.
@@ -17,6 +18,7 @@ them in place (`published`).
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import tempfile
@@ -103,6 +105,13 @@ def _shm_dir() -> Path:
 
 
 _mappings: dict[str, tuple[tuple[int, int], torch.UntypedStorage]] = {}
+_written: set[str] = set()  # export files this process made: removed when it exits
+
+
+def _remove_at_exit(path: Path) -> None:
+    if str(path) not in _written:
+        _written.add(str(path))
+        atexit.register(path.unlink, missing_ok=True)
 
 
 def _mapping(path: Path, nbytes: int) -> torch.UntypedStorage:
@@ -141,6 +150,7 @@ def export_weights(named: Iterable[tuple[str, torch.Tensor]], key: str,
         with open(tmp, "wb") as f:
             f.truncate(offset)
         os.replace(tmp, path)
+    _remove_at_exit(path)
     storage = _mapping(path, offset)
     _header(storage).fill_(WRITING)
     for (_, t), (_, _, _, start) in zip(tensors, entries, strict=True):
