@@ -82,6 +82,8 @@ class Loop:
         # the procs unpickle this example's loss function: they need the repo on their path
         os.environ["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        # vLLM logs each weight load at INFO, once a step, over the progress bar
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         model_dir = str(write_model(self.cfg, self.tokenizer, self.out))
         slots = run.slots if run.colocate else 2 * run.slots
         self.rm = await init("local", gpus_per_host=slots)
