@@ -18,8 +18,9 @@ direction, so both see the same machine state. One warm-up round is not counted.
 
 Informative rows (no target): client -> arbiter round trip (`rm.status()`), client -> tenant
 round trip (`describe`), one RSS reading by pid (`telemetry.read_pid`, what the arbiter
-polls). The arbiter makes 5 tenant calls per slot per switch: describe the target, describe
-the other, sleep it, wake weights, wake cache.
+polls). The arbiter makes 2 tenant calls per slot per switch: sleep the other tenant (it
+answers the bytes it held, which the arbiter then sees leave the proc's RSS), then one wake
+of the target's stages, in order.
 
     python bench/switch.py [--mib 256] [--slots 1] [--rounds 10] [--control-slots 8]
                            [--control-mib 1] [--control-rounds 50]
