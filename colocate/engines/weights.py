@@ -8,12 +8,11 @@ last export, and returns a small `WeightManifest` (what a message carries);
 `read_exported` hands views of that file to a loader, so the reader copies straight from
 shared memory, then checks that no export overwrote them meanwhile. Both sides keep their
 mapping of the file, so a repeated sync writes and reads pages already in place; the file
-goes when its writer's process exits. Across
-hosts, `offer_weights` wraps each tensor in a `monarch.rdma.RDMABuffer` (ibverbs where the
-hosts have it, else Monarch's TCP transport) and `fetch_weights` reads them all, in
-parallel, into new tensors.
-Within one process, a tenant `publish`es its weights by name and a colocated tenant reads
-them in place (`published`).
+goes when its writer's process exits. Across hosts, `offer_weights` wraps each tensor in a
+`monarch.rdma.RDMABuffer` (ibverbs where the hosts have it, else Monarch's TCP transport)
+and `fetch_weights` reads them all, in parallel, into new tensors. Within one process, a
+tenant `publish`es its weights by name and a colocated tenant reads them in place
+(`published`).
 """
 
 from __future__ import annotations
