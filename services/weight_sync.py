@@ -1,17 +1,18 @@
 """`sync_weights(trainer, generator)`: the trainer's weights to every generator replica.
 
 A generator replica on the same procs as a trainer replica (one resource group) gets them
-by a staged handoff through the arbiters: its weights wake while the trainer keeps only
-its weights, it copies them in place, the trainer sleeps, then its caches wake. So the
-peak is the two weight sets, never trainer + generator + cache. A replica on other procs
-of the same host loads them from shared memory, exported once by the trainer's rank 0; a
-replica on another host reads them from the trainer's rank 0 over Monarch RDMA buffers.
-A generator replica found dead on the way is reported lost and left to its service, which
-respawns it; the others are synced all the same.
+by a staged handoff through the arbiters (all such replicas at once): its weights wake
+while the trainer keeps only its weights, it copies them in place, the trainer sleeps,
+then its caches wake. So the peak is the two weight sets, never trainer + generator +
+cache. A replica on other procs of the same host loads them from shared memory, exported
+once by the trainer's rank 0; a replica on another host reads them from the trainer's
+rank 0 over Monarch RDMA buffers. A generator replica found dead on the way is reported
+lost and left to its service, which respawns it; the others are synced all the same.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -55,10 +56,17 @@ async def sync_weights(trainer: Service, generator: Service,
     rank0 = select(source.actors, hosts=0, gpus=0)
     source_host = source.allocation.slots[0][0]
     report, offers = SyncReport(), {}
-    for replica in _healthy(generator) if replicas is None else replicas:
-        if set(replica.allocation.slots) <= source_slots:
-            report.handoff[replica.tenant] = await rm.handoff(source.tenant, replica.tenant)
-            continue
+    targets = _healthy(generator) if replicas is None else list(replicas)
+    # replicas on the trainer's procs: staged handoffs, all at once (their slots differ)
+    colocated = [r for r in targets if set(r.allocation.slots) <= source_slots]
+    apart = [r for r in targets if not set(r.allocation.slots) <= source_slots]
+    handed = await asyncio.gather(*(rm.handoff(source.tenant, r.tenant) for r in colocated),
+                                  return_exceptions=True)
+    for replica, result in zip(colocated, handed, strict=True):
+        if isinstance(result, BaseException):
+            raise result  # each failed handoff rolled its slots back
+        report.handoff[replica.tenant] = result
+    for replica in apart:
         # other procs: this host's shared memory, or RDMA buffers from another host
         way = "shared_memory" if {h for h, _ in replica.allocation.slots} == {source_host} \
             else "rdma"
