@@ -1,13 +1,14 @@
 """`sync_weights(trainer, generator)`: the trainer's weights to every generator replica.
 
 A generator replica on the same procs as a trainer replica (one resource group) gets them
-by a staged handoff through the arbiters (all such replicas at once): its weights wake
-while the trainer keeps only its weights, it copies them in place, the trainer sleeps,
-then its caches wake. So the peak is the two weight sets, never trainer + generator +
-cache. A replica on other procs of the same host loads them from shared memory, exported
-once by the trainer's rank 0; a replica on another host reads them from the trainer's
-rank 0 over Monarch RDMA buffers. A generator replica found dead on the way is reported
-lost and left to its service, which respawns it; the others are synced all the same.
+by a staged handoff through the arbiters: its weights wake while the trainer keeps only
+its weights, it copies them in place, the trainer sleeps, then its caches wake. So the
+peak is the two weight sets, never trainer + generator + cache. A replica on other procs
+of the same host loads them from shared memory, exported once by the trainer's rank 0; a
+replica on another host reads them from the trainer's rank 0 over Monarch RDMA buffers.
+The handoffs run all at once, and so do the loads. A generator replica found dead on the
+way is reported lost and left to its service, which respawns it; the others are synced
+all the same.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ def _healthy(service: Service) -> list[Replica]:
     return replicas
 
 
+def _way(replica: Replica, source_host: int) -> str:
+    """How a replica on other procs gets the weights: from this host's shared memory, or
+    over RDMA buffers from another host."""
+    hosts = {h for h, _ in replica.allocation.slots}
+    return "shared_memory" if hosts == {source_host} else "rdma"
+
+
 async def sync_weights(trainer: Service, generator: Service,
                        replicas: Sequence[Replica] | None = None) -> SyncReport:
     """Copy the weights of `trainer` (its first healthy replica holds the reference; DDP
@@ -55,7 +63,7 @@ async def sync_weights(trainer: Service, generator: Service,
     source_slots = set(rm.tenants.get(source.tenant, source.allocation.slots))
     rank0 = select(source.actors, hosts=0, gpus=0)
     source_host = source.allocation.slots[0][0]
-    report, offers = SyncReport(), {}
+    report = SyncReport()
     targets = _healthy(generator) if replicas is None else list(replicas)
     # replicas on the trainer's procs: staged handoffs, all at once (their slots differ)
     colocated = [r for r in targets if set(r.allocation.slots) <= source_slots]
@@ -66,22 +74,21 @@ async def sync_weights(trainer: Service, generator: Service,
         if isinstance(result, BaseException):
             raise result  # each failed handoff rolled its slots back
         report.handoff[replica.tenant] = result
-    for replica in apart:
-        # other procs: this host's shared memory, or RDMA buffers from another host
-        way = "shared_memory" if {h for h, _ in replica.allocation.slots} == {source_host} \
-            else "rdma"
-        if way not in offers:
-            async with remote_errors():
-                offer = rank0.export_weights if way == "shared_memory" else rank0.offer_weights
-                offers[way] = await offer.call_one()
-        load = replica.actors.load_exported if way == "shared_memory" \
-            else replica.actors.load_remote
-        try:
-            copied = await load.call(offers[way])
-        except Exception as err:
-            if generator.lose(replica, err):
+    for way in ("shared_memory", "rdma"):  # other procs: shared memory, or another host
+        readers = [r for r in apart if _way(r, source_host) == way]
+        if not readers:
+            continue
+        async with remote_errors():
+            offer = rank0.export_weights if way == "shared_memory" else rank0.offer_weights
+            offered = await offer.call_one()
+        loads = await asyncio.gather(*(
+            (r.actors.load_exported if way == "shared_memory" else r.actors.load_remote)
+            .call(offered) for r in readers), return_exceptions=True)
+        for replica, loaded in zip(readers, loads, strict=True):
+            if not isinstance(loaded, BaseException):
+                getattr(report, way)[replica.tenant] = sum(v for _, v in loaded.items())
+            elif generator.lose(replica, loaded):
                 report.lost.append(replica.tenant)
-                continue
-            raise err.exception from None  # the load itself raised (an ActorError)
-        getattr(report, way)[replica.tenant] = sum(v for _, v in copied.items())
+            else:
+                raise loaded.exception from None  # the load itself raised (an ActorError)
     return report

@@ -68,16 +68,19 @@ async def test_colocated_trainer_hands_weights_to_generator_replicas(colocate_ru
     assert [c.tokens for c in after[0]] != [c.tokens for c in before[0]]
 
 
-async def test_generator_in_another_group_loads_through_shared_memory(colocate_runtime,
-                                                                      model_dir):
-    trainer = await spawn_service(ServiceConfig(resource_group="train"), TrainerActor,
-                                  model_dir, name="trainer")
-    generator = await spawn_service(ServiceConfig(resource_group="generate"), GeneratorActor,
-                                    model_dir, name="generator")
-    await trainer.train_step.route(logit_loss, BATCH)
-    report = await sync_weights(trainer, generator)
-    assert set(report.shared_memory) == {"generator_r0"} and not report.handoff
-    assert await generator.checksum.route() == await trainer.checksum.route()
+async def test_generators_in_another_group_load_through_shared_memory(model_dir):
+    async with start_runtime(gpus_per_host=3):
+        trainer = await spawn_service(ServiceConfig(resource_group="train"), TrainerActor,
+                                      model_dir, name="trainer")
+        generator = await spawn_service(ServiceConfig(num_replicas=2, resource_group="generate"),
+                                        GeneratorActor, model_dir, name="generator")
+        for _ in range(2):  # the second sync writes over the first export, in place
+            await trainer.train_step.route(logit_loss, BATCH)
+            report = await sync_weights(trainer, generator)
+            assert set(report.shared_memory) == {"generator_r0", "generator_r1"}
+            assert not report.handoff
+            trained = await trainer.checksum.route()
+            assert await generator.checksum.fanout() == [trained, trained]
 
 
 async def test_generator_on_another_host_reads_over_rdma(model_dir):
