@@ -76,9 +76,9 @@ class TaggedTenant:
         return [stage for stage, tag in self.stages.items() if tag in known]
 
     def sleep(self, stages: Sequence[str] | None = None) -> int:
-        """Pause `stages` (default: all) that are awake, caches first, then give back what
-        the allocators keep of the process's freed memory; returns the bytes the stages
-        held."""
+        """Pause `stages` (default: all) that are awake, caches first; returns the bytes
+        they held. (Each pause also gives back what the allocators keep of the process's
+        freed memory.)"""
         self._check_stages(stages or ())
         released = 0
         for stage in reversed(self._known()):
@@ -88,8 +88,6 @@ class TaggedTenant:
             if memory.state(tag) is memory.TagState.ACTIVE:
                 released += memory.resident_bytes(tag)
                 memory.pause(tag)
-        if released:
-            memory.release_cached()
         return released
 
     def wake(self, stages: Sequence[str]) -> None:

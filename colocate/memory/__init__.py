@@ -11,8 +11,9 @@
 Backends: torch_memory_saver on CUDA (`colocate.memory.cuda`), an mmap arena on CPU
 (`colocate.memory.arena`). Without backup, a resumed tag holds memory again but its
 contents are lost (zeros on CPU, garbage on CUDA). Every transition is checked first
-and a bad one raises a `TaggedMemoryError`; the process stays usable. `release_cached()`
-returns freed untagged memory that allocators keep (a sleeping trainer's activations).
+and a bad one raises a `TaggedMemoryError`; the process stays usable. A pause also runs
+`release_cached()`, which returns freed untagged memory that allocators keep (a trainer's
+activations).
 
 The functions below act on one registry per process, shared by every thread and actor.
 """
@@ -63,7 +64,9 @@ def adopt(obj: Any, tag: str, backup: bool = False) -> int:
 
 
 def pause(tag: str) -> None:
-    """Release the tag's memory (with backup: after saving it)."""
+    """Release the tag's memory (with backup: after saving it), and what the allocators
+    keep of the process's freed memory (`release_cached`), so the reading taken after it,
+    which the timeline and the leak tracker see, is what the process still holds."""
     _registry.pause(tag)
 
 

@@ -4,7 +4,7 @@ A pause releases a tag's memory, but a tenant also leaves memory outside its tag
 it freed (a trainer's activations, a generator's scratch) that the CUDA caching allocator
 or glibc's malloc keep for reuse. Held by a sleeping tenant, they crowd the tenant that
 wakes. `release_cached()` returns them: `torch.cuda.empty_cache()` on CUDA, glibc's
-`malloc_trim(0)` on the host. Memory still in use is untouched.
+`malloc_trim(0)` on the host. Memory still in use is untouched. Every pause runs it.
 """
 
 from __future__ import annotations

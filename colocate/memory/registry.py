@@ -21,6 +21,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from colocate import telemetry
+from colocate.memory.cached import release_cached
 from colocate.memory.errors import (
     TagConflictError,
     TaggedMemoryError,
@@ -231,6 +232,8 @@ class TagRegistry:
         began = time.perf_counter()
         action(backend)
         seconds = time.perf_counter() - began
+        if op == "pause":  # what the allocators keep of freed memory goes too (untimed)
+            release_cached()
         after = _reading(device_type)
         telemetry.timeline().record(telemetry.SwitchEvent(
             op=op, tag=record.name, nbytes=nbytes, seconds=seconds, before_bytes=before,
