@@ -29,6 +29,8 @@ def release_cached() -> None:
     """Return this process's freed-but-kept allocator memory to the driver and the OS."""
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
+        # safe beside paused tags: torch_memory_saver's regions allocate from memory pools
+        # it keeps alive, and empty_cache frees only the default pool and dead pools
         torch.cuda.empty_cache()
     trim = _malloc_trim()
     if trim is not None:
