@@ -14,7 +14,7 @@ import torch
 from colocate import memory, telemetry
 from colocate.arbiter import SlotArbiter, SwitchError
 from colocate.arbiter.local import LocalTenantHandle
-from colocate.engines.generator import TorchGenerator
+from colocate.engines.generator import TorchGenerator, WeightsDiscardedError
 from colocate.engines.llama import KVCache, Llama, LlamaConfig, load_pretrained, save_pretrained
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tokenizer import CharTokenizer
@@ -281,3 +281,38 @@ def test_failed_handoff_rolls_back_to_the_trainer(isolated):
     # then the generator was woken by hand: its weights were not touched
     assert out["status"] == {"trainer": [], "generator": ["weights", "kv_cache"]}
     assert out["untouched"] and not out["synced"]
+
+
+def discarded_weights_scenario() -> dict:
+    """A generator that keeps no weights across sleeps, taking turns with a trainer."""
+    async def run():
+        arbiter = SlotArbiter([0])
+        trainer = PolicyTrainer(model(7), prefix="trainer")
+        gen = TorchGenerator(model(8), prefix="generator", keep_weights=False)
+        before = [c.tokens for c in gen.generate(PROMPTS, GREEDY)]  # its own weights: fine
+        await arbiter.register(0, LocalTenantHandle("trainer", trainer))
+        await arbiter.register(0, LocalTenantHandle("generator", gen))  # put to sleep
+        await arbiter.wake("generator")  # woken with no weights loaded since
+        out = {"before": before == [greedy_reference(model(8), p, GREEDY) for p in PROMPTS]}
+        for name, call in (("generate", lambda: gen.generate(PROMPTS, GREEDY)),
+                           ("checksum", lambda: digest(gen.named_weights()))):
+            try:
+                call()
+            except WeightsDiscardedError as err:
+                out[name] = str(err)
+        await arbiter.wake("trainer")
+        trainer.step(sum_loss, torch.tensor([PROMPTS[0]]))
+        trained = [greedy_reference(trainer.model, p, GREEDY) for p in PROMPTS]
+        await arbiter.handoff("trainer", "generator")  # the trainer sleeps
+        out["after"] = [c.tokens for c in gen.generate(PROMPTS, GREEDY)] == trained
+        return out
+
+    return asyncio.run(run())
+
+
+def test_a_generator_that_keeps_no_weights_refuses_until_synced(isolated):
+    out = isolated(discarded_weights_scenario)
+    assert out["before"]
+    assert "discarded" in out["generate"] and "sync weights" in out["generate"]
+    assert "discarded" in out["checksum"]
+    assert out["after"]  # the handoff's copy made it whole again

@@ -89,6 +89,9 @@ class GeneratorActor(TenantActor):
                  **options: Any) -> None:
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r}: use one of {ENGINES}")
+        if engine == "vllm" and "keep_weights" in options:
+            raise ValueError("keep_weights is an option of the torch engine; the vLLM "
+                             "engine always keeps its weights across sleeps")
         if engine == "torch":
             self.engine = generator.TorchGenerator(load_pretrained(model_dir), max_batch,
                                                    prefix=self.tenant_name, **options)

@@ -2,8 +2,12 @@
 
 Its memory is two stages of one tenant: "weights" (kept across sleeps) and "kv_cache"
 (discarded), so a wake can bring the weights back first, take new weights, and only then
-hold the cache. Prompts are token ids, left-padded into batches of up to `max_batch` rows;
-every row samples with temperature and top-p until a stop token or `max_new_tokens`.
+hold the cache. With `keep_weights=False` the weights are discarded too, for a generator
+whose every wake comes with new weights (an RL loop's sync): its sleep saves nothing and
+its wake restores nothing, and until new weights are loaded it refuses to generate.
+
+Prompts are token ids, left-padded into batches of up to `max_batch` rows; every row
+samples with temperature and top-p until a stop token or `max_new_tokens`.
 """
 
 from __future__ import annotations
@@ -20,17 +24,25 @@ from colocate.engines.weights import copy_weights, published
 STAGES = {"weights": True, "kv_cache": False}  # stage -> kept across a sleep
 
 
+class WeightsDiscardedError(RuntimeError):
+    """The generator's weights were discarded at a sleep and none were loaded since."""
+
+
 class TorchGenerator:
     """Generates with `model` on `device`; its memory is tagged under `prefix`."""
 
     def __init__(self, model: Llama, max_batch: int = 64, prefix: str = "generator",
-                 device: str | torch.device | None = None) -> None:
+                 device: str | torch.device | None = None, keep_weights: bool = True) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.tenancy = TaggedTenant({s: f"{prefix}/{s}" for s in STAGES}, backup=STAGES)
+        stages = {**STAGES, "weights": keep_weights}
+        self.tenancy = TaggedTenant({s: f"{prefix}/{s}" for s in stages}, backup=stages)
+        self.keep_weights, self.weights_discarded = keep_weights, False
         self.model = model.to(device).eval().requires_grad_(False)
-        self.tenancy.adopt(self.model, "weights")
+        # the tensors a weight sync refills; derived buffers (rotary frequencies) stay
+        # untagged: they are small, and no sync would bring them back if discarded
+        self.tenancy.adopt(list(self.model.state_dict().values()), "weights")
         with self.tenancy.region("kv_cache", device=device):
             self.cache = KVCache.allocate(model.config, max_batch, device)
         self.max_batch, self.device = max_batch, device
@@ -38,7 +50,10 @@ class TorchGenerator:
     # -- the tenant's three calls ----------------------------------------------------------
 
     def sleep(self, stages: Sequence[str] | None = None) -> int:
-        return self.tenancy.sleep(stages)
+        released = self.tenancy.sleep(stages)
+        if not self.keep_weights and "weights" not in self.tenancy.awake_stages():
+            self.weights_discarded = True
+        return released
 
     def wake(self, stages: Sequence[str]) -> None:
         self.tenancy.wake(stages)
@@ -52,7 +67,9 @@ class TorchGenerator:
         """Copy new weights (Hugging Face names) into the model's own tensors; returns the
         bytes copied. Every name and shape is checked before anything is written."""
         self.tenancy.ensure_stage("weights")
-        return copy_weights(self.model, named)
+        copied = copy_weights(self.model, named)  # all of them, or nothing
+        self.weights_discarded = False
+        return copied
 
     def receive(self, source: str) -> int:
         """Load the weights tenant `source` published in this process."""
@@ -60,7 +77,15 @@ class TorchGenerator:
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         self.tenancy.ensure_stage("weights")
+        self._ensure_weights()
         return self.model.state_dict().items()
+
+    def _ensure_weights(self) -> None:
+        if self.weights_discarded:
+            raise WeightsDiscardedError(
+                "this generator's weights were discarded when it last slept "
+                "(keep_weights=False) and none were loaded since: sync weights to it "
+                "(services.sync_weights) before it generates")
 
     # -- generation --------------------------------------------------------------------------
 
@@ -69,6 +94,7 @@ class TorchGenerator:
                  ) -> list[Completion]:
         """One completion per prompt (token ids), in order."""
         self.tenancy.ensure_awake()
+        self._ensure_weights()
         limit = self.model.config.max_seq_len
         too_long = [i for i, p in enumerate(prompts) if len(p) + params.max_new_tokens > limit]
         if too_long or any(len(p) == 0 for p in prompts):

@@ -94,10 +94,14 @@ class Loop:
             ServiceConfig(procs_per_host=run.slots, resource_group=groups[0], respawn=False),
             TrainerActor, model_dir, lr=self.cfg.grpo.lr,
             max_grad_norm=self.cfg.grpo.max_grad_norm, name="trainer")
+        # every wake of the generator comes with the trainer's weights (a sync), so the
+        # built-in engine need not keep its own across sleeps
+        options = {"keep_weights": False} if run.engine == "torch" else {}
         self.generator = await spawn_service(
             ServiceConfig(num_replicas=run.slots, resource_group=groups[1]), GeneratorActor,
-            model_dir, engine=run.engine, name="generator")
+            model_dir, engine=run.engine, name="generator", **options)
         self.generator.on_respawn.append(self._resync)
+        await sync_weights(self.trainer, self.generator)  # it starts awake, with those
 
     async def _resync(self, replica: Replica) -> None:
         """A generator replica came back from a failure with the initial weights: give it
