@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from colocate import telemetry
@@ -42,11 +43,12 @@ def _greedy_reference(net: Llama, prompt: list[int]) -> list[int]:
     return tokens[len(prompt):]
 
 
-def turns_with_handoff(rounds: int) -> dict:
+def turns_with_handoff(rounds: int, keep_weights: bool) -> dict:
     async def run():
         torch.manual_seed(0)
         trainer = PolicyTrainer(Llama(CONFIG), prefix="trainer", device="cuda")
-        gen = TorchGenerator(Llama(CONFIG), max_batch=8, prefix="generator", device="cuda")
+        gen = TorchGenerator(Llama(CONFIG), max_batch=8, prefix="generator", device="cuda",
+                             keep_weights=keep_weights)
         arbiter = SlotArbiter([0])
         await arbiter.register(0, LocalTenantHandle("trainer", trainer))
         await arbiter.register(0, LocalTenantHandle("generator", gen))  # put to sleep
@@ -74,9 +76,11 @@ def turns_with_handoff(rounds: int) -> dict:
     return asyncio.run(run())
 
 
-def test_trainer_and_generator_take_turns_with_weight_sync(isolated, gpu_indices):
+@pytest.mark.parametrize("keep_weights", [True, False])
+def test_trainer_and_generator_take_turns_with_weight_sync(isolated, gpu_indices, keep_weights):
     for index in gpu_indices:
-        out = isolated(turns_with_handoff, 3, env={"CUDA_VISIBLE_DEVICES": str(index)})
+        out = isolated(turns_with_handoff, 3, keep_weights,
+                       env={"CUDA_VISIBLE_DEVICES": str(index)})
         for row in out["rounds"]:
             assert row["status"] == {"trainer": [], "generator": ["weights", "kv_cache"]}
             assert row["synced"] and row["greedy_equal"], row
