@@ -47,9 +47,13 @@ def _healthy(service: Service) -> list[Replica]:
     return replicas
 
 
+# how a replica on other procs gets the weights: the trainer's rank 0 offers them (its
+# endpoint), then the replica loads them (its endpoint)
+WAYS = {"shared_memory": ("export_weights", "load_exported"),  # a replica on this host
+        "rdma": ("offer_weights", "load_remote")}  # a replica on another host
+
+
 def _way(replica: Replica, source_host: int) -> str:
-    """How a replica on other procs gets the weights: from this host's shared memory, or
-    over RDMA buffers from another host."""
     hosts = {h for h, _ in replica.allocation.slots}
     return "shared_memory" if hosts == {source_host} else "rdma"
 
@@ -74,16 +78,14 @@ async def sync_weights(trainer: Service, generator: Service,
         if isinstance(result, BaseException):
             raise result  # each failed handoff rolled its slots back
         report.handoff[replica.tenant] = result
-    for way in ("shared_memory", "rdma"):  # other procs: shared memory, or another host
+    for way, (offer, load) in WAYS.items():
         readers = [r for r in apart if _way(r, source_host) == way]
         if not readers:
             continue
         async with remote_errors():
-            offer = rank0.export_weights if way == "shared_memory" else rank0.offer_weights
-            offered = await offer.call_one()
-        loads = await asyncio.gather(*(
-            (r.actors.load_exported if way == "shared_memory" else r.actors.load_remote)
-            .call(offered) for r in readers), return_exceptions=True)
+            offered = await getattr(rank0, offer).call_one()
+        loads = await asyncio.gather(*(getattr(r.actors, load).call(offered) for r in readers),
+                                     return_exceptions=True)
         for replica, loaded in zip(readers, loads, strict=True):
             if not isinstance(loaded, BaseException):
                 getattr(report, way)[replica.tenant] = sum(v for _, v in loaded.items())

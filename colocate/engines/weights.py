@@ -116,7 +116,11 @@ def _remove_at_exit(path: Path) -> None:
 def _mapping(path: Path, nbytes: int) -> torch.UntypedStorage:
     """This process's shared mapping of the `nbytes` file at `path`, kept across calls and
     made again when the file was replaced."""
-    stat = os.stat(path)
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        raise StaleWeightsError(f"exported weights {path} are gone (removed, or another "
+                                "host's /dev/shm): export them again on this host") from None
     if stat.st_size != nbytes:
         raise StaleWeightsError(f"{path} holds {stat.st_size} bytes, not {nbytes}: it was "
                                 "exported again with other tensors; sync again")
@@ -164,9 +168,6 @@ def read_exported(manifest: WeightManifest,
     it keeps), with the file checked to hold `manifest.version` before and after. Raises
     `StaleWeightsError` when it does not; after `load` ran, what it copied is torn then."""
     path = Path(manifest.path)
-    if not path.exists():
-        raise StaleWeightsError(f"exported weights {path} are gone (removed, or another "
-                                "host's /dev/shm): export them again on this host")
     storage = _mapping(path, manifest.nbytes)
 
     def check(when: str, consequence: str) -> None:
