@@ -1,11 +1,11 @@
 """The engines as colocated tenants: `TrainerActor` and `GeneratorActor` on Monarch procs.
 
 Both load the same local Hugging Face directory (`models.load_model`; vLLM loads it
-itself), so they start with the same weights. A trainer and a generator spawned in one resource group share
-each proc; `ResourceManager.handoff(trainer, generator)` then passes the trainer's weights
-to the generator in place (see `SlotArbiter.handoff`). Across procs of one host the
-trainer's `export_weights` and the generator's `load_exported` go through shared memory;
-across hosts, the trainer's `offer_weights` and the generator's `load_remote` go over
+itself), so they start with the same weights. A trainer and a generator spawned in one
+resource group share each proc; `ResourceManager.handoff(trainer, generator)` then passes
+the trainer's weights to the generator in place (see `SlotArbiter.handoff`). Across procs
+of one host the trainer's `export_weights` and the generator's `load_exported` go through
+shared memory; across hosts, the trainer's `offer_weights` and the generator's `load_remote` go over
 Monarch RDMA buffers.
 """
 

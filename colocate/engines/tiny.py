@@ -33,8 +33,9 @@ def save_char_tokenizer(alphabet: str, path: str | os.PathLike) -> None:
     inner.post_processor = processors.TemplateProcessing(
         single=f"{SPECIALS[1]} $A", special_tokens=[(SPECIALS[1], vocab[SPECIALS[1]])])
     inner.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=inner, pad_token=SPECIALS[0],
-                                   unk_token=SPECIALS[0], bos_token=SPECIALS[1], eos_token=SPECIALS[2])
+    pad, bos, eos = SPECIALS  # unknown characters read as pad (Qwen2's default is its own)
+    fast = PreTrainedTokenizerFast(tokenizer_object=inner, pad_token=pad, unk_token=pad,
+                                   bos_token=bos, eos_token=eos)
     fast.save_pretrained(str(path))
 
 
@@ -42,9 +43,10 @@ def write_tiny_model(path: str | os.PathLike, architecture: str = "llama",
                      alphabet: str = "0123456789>", hidden_size: int = 64, layers: int = 2,
                      heads: int = 2, kv_heads: int = 1, intermediate_size: int = 128,
                      max_positions: int = 32, tie_embeddings: bool = False,
-                     seed: int = 0) -> Path:
+                     init_std: float = 0.02, seed: int = 0) -> Path:
     """Write a random `architecture` causal LM and its character tokenizer into `path`;
-    returns the directory. The same seed writes the same weights."""
+    returns the directory. Weights are drawn with transformers' own initialisation (normal,
+    std `init_std`); the same seed writes the same weights."""
     import transformers
 
     if architecture not in ARCHITECTURES:
@@ -56,7 +58,8 @@ def write_tiny_model(path: str | os.PathLike, architecture: str = "llama",
         intermediate_size=intermediate_size, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=hidden_size // heads, max_position_embeddings=max_positions,
-        tie_word_embeddings=tie_embeddings, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=tie_embeddings, initializer_range=init_std, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
         dtype="float32")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -44,7 +44,7 @@ def model_dir(cfg: RLConfig, out: Path) -> Path:
     return write_tiny_model(out / "model", m.architecture, alphabet=task.ALPHABET,
                             hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
                             kv_heads=m.kv_heads, intermediate_size=m.intermediate_size,
-                            max_positions=m.max_positions, seed=m.seed)
+                            max_positions=m.max_positions, init_std=m.init_std, seed=m.seed)
 
 
 async def resident(service: Service) -> int:
