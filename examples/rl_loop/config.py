@@ -3,6 +3,7 @@
     model:    the policy: a local Hugging Face directory (`model.path`), or a tiny random
               model of the shape given here, built for the run
     trainer:  how the trainer trains (`trainer.parallel=ddp|fsdp`...)
+    generator: how a vLLM generator spans the slots (`generator.tensor_parallel_size=2`)
     task:     TaskConfig fields
     grpo:     GRPOConfig fields
     run:      RunConfig fields
@@ -74,6 +75,20 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class GeneratorConfig:
+    """The vLLM generator on several slots: one replica over all of them, beside the trainer
+    on the same procs, `tensor_parallel_size` ranks per model copy and slots / that many
+    data-parallel copies. (The torch generator runs one replica per slot.)"""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"generator.tensor_parallel_size={self.tensor_parallel_size}: "
+                             "must be >= 1")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     steps: int = 300
     eval_every: int = 50
@@ -95,9 +110,16 @@ class RunConfig:
 class RLConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        tp = self.generator.tensor_parallel_size
+        if self.run.slots % tp:
+            raise ValueError(f"generator.tensor_parallel_size={tp} does not divide "
+                             f"run.slots={self.run.slots}: every slot holds one vLLM rank")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RLConfig:

@@ -102,14 +102,28 @@ class Loop:
             TrainerActor, model_dir, lr=self.cfg.grpo.lr,
             max_grad_norm=self.cfg.grpo.max_grad_norm, name="trainer",
             **vars(self.cfg.trainer))
-        # every wake of the generator comes with the trainer's weights (a sync), so the
-        # built-in engine need not keep its own across sleeps
-        options = {"keep_weights": False} if run.engine == "torch" else {}
-        self.generator = await spawn_service(
-            ServiceConfig(num_replicas=run.slots, resource_group=groups[1]), GeneratorActor,
-            model_dir, engine=run.engine, name="generator", **options)
+        config, options = self._generator_service(groups[1])
+        self.generator = await spawn_service(config, GeneratorActor, model_dir,
+                                             name="generator", **options)
         self.generator.on_respawn.append(self._resync)
         await sync_weights(self.trainer, self.generator)  # it starts awake, with those
+
+    def _generator_service(self, group: str) -> tuple[ServiceConfig, dict[str, Any]]:
+        """The generator's service config and engine options. The torch engine: one
+        replica per slot; vLLM on several slots: one replica over all of them (tp x dp
+        ranks, called SPMD), the node-scale hybrid engine."""
+        run, options = self.cfg.run, {"engine": self.cfg.run.engine}
+        if run.engine == "torch":
+            # every wake comes with the trainer's weights (a sync): keep none across sleeps
+            config = ServiceConfig(num_replicas=run.slots, resource_group=group)
+            options["keep_weights"] = False
+        elif run.slots == 1:
+            config = ServiceConfig(resource_group=group)
+        else:
+            tp = self.cfg.generator.tensor_parallel_size
+            config = ServiceConfig(procs_per_host=run.slots, resource_group=group)
+            options.update(tensor_parallel_size=tp, data_parallel_size=run.slots // tp)
+        return config, options
 
     async def _resync(self, replica: Replica) -> None:
         """A generator replica came back from a failure with the initial weights: give it

@@ -1,0 +1,71 @@
+"""The hybrid engine on 2 CPU slots: a 2-proc trainer (DDP or FSDP) and one vLLM replica
+over the same 2 procs (tensor- or data-parallel, `external_launcher`), taking turns
+through the arbiters, synced in place, checked against the built-in generator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from colocate import phase  # noqa: E402
+from colocate.engines.actors import GeneratorActor, TrainerActor  # noqa: E402
+from colocate.engines.sampling import SamplingParams  # noqa: E402
+from colocate.engines.tiny import write_tiny_model  # noqa: E402
+from services import ServiceConfig, spawn_service, sync_weights  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("procs_import_tests")]
+
+# char ids of the tiny model: 0 pad, 1 bos, 2 eos, then "0123456789+=>"
+PROMPTS = [[1, 4, 5, 13, 6, 7, 14], [1, 10, 15], [1, 12, 3, 8, 13, 4, 14], [1, 5, 5]]
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0)
+
+
+def logit_loss(module, batch):
+    """Pushes token 5's logits down, so a step visibly changes the weights."""
+    return module(input_ids=batch).logits[..., 5].mean(), {}
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return str(write_tiny_model(tmp_path / "model", "qwen2", alphabet="0123456789+=>",
+                                tie_embeddings=True, init_std=0.1, heads=2, kv_heads=2))
+
+
+@pytest.mark.parametrize(("parallel", "tp", "dp"), [("ddp", 2, 1), ("fsdp", 1, 2)])
+async def test_vllm_beside_the_trainer_takes_turns_and_generates_the_trained_policy(
+        colocate_runtime, model_dir, parallel, tp, dp):
+    rm = colocate_runtime
+    trainer = await spawn_service(ServiceConfig(procs_per_host=2, resource_group="rl"),
+                                  TrainerActor, model_dir, lr=0.05, name="trainer",
+                                  parallel=parallel)
+    vllm_gen = await spawn_service(ServiceConfig(procs_per_host=2, resource_group="rl"),
+                                   GeneratorActor, model_dir, engine="vllm", name="vllm",
+                                   tensor_parallel_size=tp, data_parallel_size=dp)
+    reference = await spawn_service(ServiceConfig(num_replicas=2, resource_group="rl"),
+                                    GeneratorActor, model_dir, name="reference")
+    async with phase(vllm_gen):  # one logical call, both ranks at once
+        before = await vllm_gen.generate.route(PROMPTS, GREEDY)
+        infos = await vllm_gen.replicas[0].actors.describe.call()
+        assert all(info.resident_bytes == info.tagged_bytes > 0 for _, info in infos.items())
+    assert len(before) == len(PROMPTS)
+    async with phase(trainer):  # vLLM sleeps on both procs, release verified by the arbiter
+        infos = await vllm_gen.replicas[0].actors.describe.call()
+        assert all(info.resident_bytes == 0 and info.awake_stages == ()
+                   for _, info in infos.items())
+        for _ in range(2):
+            await trainer.train_step.route(logit_loss, torch.tensor([PROMPTS[0]]))
+    await sync_weights(trainer, reference)  # the reference ends awake
+    expected = await reference.generate.fanout(PROMPTS, GREEDY)
+    assert expected[0] == expected[1]
+    async with phase(trainer):  # a handoff takes the weights from an awake trainer
+        pass
+    await sync_weights(trainer, vllm_gen)  # in place on each proc, a bucket at a time
+    status = await rm.status()
+    for slot in (0, 1):
+        assert status[0][slot]["vllm_r0"] == ["weights", "kv_cache"]
+        assert status[0][slot]["trainer_r0"] == []
+    after = await vllm_gen.generate.route(PROMPTS, GREEDY)
+    assert [c.tokens for c in after] == [c.tokens for c in expected[0]]
+    assert [c.tokens for c in after] != [c.tokens for c in before]
