@@ -208,3 +208,13 @@ def test_greedy_equals_transformers_generate(isolated, tmp_path, arch) -> None:
                             tie_embeddings=arch == "qwen2", max_positions=48, init_std=0.1)
     ours, theirs = isolated(greedy_against_transformers, str(path))
     assert ours == theirs
+
+
+def test_bad_parallel_shapes_are_refused_before_vllm_starts(model_path) -> None:
+    # this process has no torch.distributed world: one rank only
+    with pytest.raises(ValueError, match=r"tensor_parallel_size x data_parallel_size = 2, "
+                                         r"but this replica's torch.distributed world has 1"):
+        VLLMGenerator(model_path, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not split the model's "
+                                         "8 attention heads"):
+        VLLMGenerator(model_path, tensor_parallel_size=3)

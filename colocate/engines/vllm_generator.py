@@ -58,8 +58,8 @@ class VLLMGenerator:
                  prefix: str = "vllm", **llm_kwargs: Any) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
-        ranks = _engine_ranks(llm_kwargs)
         config = json.loads((Path(model_dir) / "config.json").read_text())
+        ranks = _engine_ranks(llm_kwargs, config)
         self.max_model_len = llm_kwargs.pop("max_model_len", config["max_position_embeddings"])
         native = torch.cuda.is_available()
         settings = dict(
@@ -240,12 +240,21 @@ class NativeSleep:
         return (self.pid, awake, sum(self.nbytes[s] for s in awake), sum(self.nbytes.values()))
 
 
-def _engine_ranks(llm_kwargs: dict[str, Any]) -> int:
-    """The engine's ranks (tensor x data parallel), checked against this process's
-    torch.distributed world: a replica that spans N procs runs one rank on each, joining
-    the world that the trainer on the same procs made (or making it, from the replica's
-    WORLD_SIZE... environment), as veRL's hybrid engine does with `external_launcher`."""
-    ranks = llm_kwargs.get("tensor_parallel_size", 1) * llm_kwargs.get("data_parallel_size", 1)
+def _engine_ranks(llm_kwargs: dict[str, Any], config: dict[str, Any]) -> int:
+    """The engine's ranks (tensor x data parallel), checked before vLLM starts: against
+    the model's heads, and against this process's torch.distributed world. A replica that
+    spans N procs runs one rank on each, joining the world that the trainer on the same
+    procs made (or making it, from the replica's WORLD_SIZE... environment), as veRL's
+    hybrid engine does with `external_launcher`."""
+    tp = llm_kwargs.get("tensor_parallel_size", 1)
+    ranks = tp * llm_kwargs.get("data_parallel_size", 1)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    if heads % tp or (kv_heads % tp and tp % kv_heads):
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not split the model's {heads} attention heads "
+            f"and {kv_heads} key/value heads evenly (config.json): choose a tensor "
+            "parallel size that divides both (or a multiple of the key/value heads)")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() \
         else int(os.environ.get("WORLD_SIZE", "1"))
     if ranks != world:
