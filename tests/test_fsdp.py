@@ -45,12 +45,15 @@ def fsdp_rank(rank: int, port: int, path: str, out: str) -> None:
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
     slept = PolicyTrainer(load_model(path), prefix="slept", parallel="fsdp")
     twin = PolicyTrainer(load_model(path), prefix="twin", parallel="fsdp")
+    mixed = PolicyTrainer(load_model(path), prefix="mixed", parallel="fsdp",
+                          mixed_precision=True, activation_checkpointing=True)
     rows = slice(rank, None, WORLD)
-    losses, twin_losses, cycles = [], [], []
-    for step in range(STEPS):
+    losses, twin_losses, mixed_losses, cycles = [], [], [], []
+    for _ in range(STEPS):
         batch = global_batch()[rows]
         losses.append(slept.step(ce_loss, batch)["loss"])
         twin_losses.append(twin.step(ce_loss, batch)["loss"])
+        mixed_losses.append(mixed.step(ce_loss, batch)["loss"])
         shard = digest((n, p.to_local()) for n, p in slept.model.named_parameters())
         info = slept.describe()
         before = telemetry.process_rss()
@@ -65,6 +68,8 @@ def fsdp_rank(rank: int, port: int, path: str, out: str) -> None:
     local = sum(p.to_local().numel() * 4 for p in slept.model.parameters())
     Path(out, f"{rank}.json").write_text(json.dumps({
         "losses": losses, "twin_losses": twin_losses, "cycles": cycles,
+        "mixed_losses": mixed_losses,
+        "mixed_dtypes": sorted({str(p.dtype) for p in mixed.model.parameters()}),
         "local_weight_bytes": local, "digest": digest(full.items())}))
 
 
@@ -118,3 +123,15 @@ def test_each_fsdp_shard_sleeps_and_wakes_and_training_goes_on_identically(fsdp_
             assert cycle["rss_drop"] >= 0.9 * cycle["released"]
             assert cycle["restored"]
         assert rank["losses"] == rank["twin_losses"]  # bit for bit
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_in_bf16_with_activation_checkpointing_trains_like_fp32(fsdp_run):
+    """bf16 compute (fp32 sharded parameters and gradient reduction), activations
+    recomputed in the backward pass: the losses of fp32 training, to bf16's precision."""
+    reference_losses, _ = fsdp_run["reference"]
+    ranks = fsdp_run["ranks"]
+    mean = [sum(r["mixed_losses"][i] for r in ranks) / WORLD for i in range(STEPS)]
+    assert mean == pytest.approx(reference_losses, rel=2e-2)
+    assert mean[-1] < mean[0]
+    assert all(r["mixed_dtypes"] == ["torch.float32"] for r in ranks)

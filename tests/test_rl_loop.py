@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
+from pathlib import Path
 
 import psutil
 import pytest
@@ -130,3 +133,19 @@ def test_config_converts_values_to_their_fields_types():
     assert cfg.trainer.mixed_precision is True
     with pytest.raises(ValueError, match="run.engine"):
         load_config(overrides=["run.engine=tensorrt"])
+
+
+def readme_commands() -> list[list[str]]:
+    """The arguments of every `python -m examples.rl_loop ...` command in the README."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    found = re.findall(r"python -m examples\.rl_loop([^`]*)`", text.replace("\n", " "))
+    return [shlex.split(args) for args in found]
+
+
+def test_every_rl_loop_command_in_the_readme_parses():
+    commands = readme_commands()
+    assert len(commands) >= 2
+    for args in commands:
+        engine = args[args.index("--engine") + 1] if "--engine" in args else None
+        overrides = [a for a in args if "=" in a] + ([f"run.engine={engine}"] if engine else [])
+        load_config(overrides=overrides)  # raises on a field or value it would refuse
