@@ -184,7 +184,11 @@ class Service:
             failed.add(replica.index)
             faults += 1
             if faults > self.config.max_retries:
-                raise fault
+                first = str(fault).splitlines()[0] if str(fault) else ""
+                raise ServiceUnavailableError(
+                    f"service {self.name!r}: {endpoint} failed on {faults} replica(s), "
+                    f"max_retries={self.config.max_retries}; the last: "
+                    f"{type(fault).__name__}: {first}. {self.failures()}") from fault
 
     async def _fanout(self, endpoint: str, args: tuple, kwargs: dict) -> list[Any]:
         """Every awake, healthy replica; when none is, the when_asleep policy first."""

@@ -4,6 +4,10 @@ through the arbiters, synced in place, checked against the built-in generator.""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+
 import pytest
 import torch
 
@@ -14,6 +18,8 @@ from colocate.engines.actors import GeneratorActor, TrainerActor  # noqa: E402
 from colocate.engines.sampling import SamplingParams  # noqa: E402
 from colocate.engines.tiny import write_tiny_model  # noqa: E402
 from services import ServiceConfig, spawn_service, sync_weights  # noqa: E402
+from services.errors import ServiceUnavailableError  # noqa: E402
+from services.replica import Health  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("procs_import_tests")]
 
@@ -69,3 +75,28 @@ async def test_vllm_beside_the_trainer_takes_turns_and_generates_the_trained_pol
     after = await vllm_gen.generate.route(PROMPTS, GREEDY)
     assert [c.tokens for c in after] == [c.tokens for c in expected[0]]
     assert [c.tokens for c in after] != [c.tokens for c in before]
+
+
+async def test_a_killed_rank_fails_the_replica_with_a_clear_error_and_nothing_hangs(
+        colocate_runtime, model_dir):
+    """One proc of a 2-rank vLLM replica (DP=2) is killed while it generates: the call in
+    flight and the next one end with an error that names the replica's failure, within a
+    bound, instead of waiting on the dead rank."""
+    vllm_gen = await spawn_service(
+        ServiceConfig(procs_per_host=2, resource_group="rl", respawn=False, max_retries=0),
+        GeneratorActor, model_dir, engine="vllm", name="vllm", data_parallel_size=2)
+    many = PROMPTS * 64
+    await vllm_gen.generate.route(many, GREEDY)  # warm
+    infos = await vllm_gen.replicas[0].actors.describe.call()
+    pid = [info.pid for _, info in infos.items()][1]
+    in_flight = asyncio.ensure_future(vllm_gen.generate.route(many, SamplingParams(
+        max_new_tokens=24, temperature=0)))
+    await asyncio.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    try:  # it may have finished before the kill; if not, it must fail, not hang
+        await asyncio.wait_for(in_flight, 90)
+    except ServiceUnavailableError as err:
+        assert "vllm" in str(err)
+    with pytest.raises(ServiceUnavailableError, match=r"(?s)vllm.*failed.*spawn the service"):
+        await asyncio.wait_for(vllm_gen.generate.route(PROMPTS, GREEDY), 90)
+    assert vllm_gen.replicas[0].health is Health.FAILED
