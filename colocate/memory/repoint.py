@@ -1,0 +1,84 @@
+"""Move a storage's contents into new memory and make its tensors use it (how `adopt` puts
+existing tensors under a tag).
+
+Two ways, chosen by feature detection (`COLOCATE_REPOINT=swap|set` forces one):
+
+- "swap": `UntypedStorage._swap_data_ptr_` (torch >= 2.12) swaps the memory behind the
+  storage in place; every tensor and view of the storage follows.
+- "set": torch 2.11 (the lent GPU machine's) has no `_swap_data_ptr_`, so each tensor that
+  `collect` found is re-pointed with `Tensor.set_(new_storage, offset, size, stride)` under
+  no_grad. That cannot move a tensor it was not given: a view kept elsewhere (a detached
+  copy such as a `state_dict()` value, a slice in an attribute, DDP's gradient buckets)
+  would keep the old memory, untagged. `check_movable` counts such views (the storage's
+  use count) and refuses before anything moves.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from colocate.memory.errors import TagConflictError
+
+REPOINT_ENV = "COLOCATE_REPOINT"
+HAS_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+@dataclass
+class Held:
+    """A storage and the distinct tensors found viewing it."""
+
+    storage: torch.UntypedStorage
+    tensors: list[torch.Tensor]
+
+    def uncollected_views(self) -> int:
+        """Tensors that view the storage but were not found: its use count less the found
+        tensors and the storage's own Python object."""
+        return torch._C._storage_Use_Count(self.storage._cdata) - 1 - len(self.tensors)
+
+
+def mode() -> str:
+    """"swap" or "set": `COLOCATE_REPOINT` if set, else "swap" where torch has it."""
+    chosen = os.environ.get(REPOINT_ENV) or ("swap" if HAS_SWAP else "set")
+    if chosen not in ("swap", "set"):
+        raise ValueError(f"{REPOINT_ENV}={chosen!r}: use 'swap' or 'set'.")
+    if chosen == "swap" and not HAS_SWAP:
+        raise ValueError(f"{REPOINT_ENV}=swap, but torch {torch.__version__} has no "
+                         "UntypedStorage._swap_data_ptr_ (torch 2.12 adds it); use 'set'.")
+    return chosen
+
+
+def check_movable(held: list[Held], tag: str) -> None:
+    """Raise before anything moves if the "set" way would leave views behind."""
+    if mode() == "swap":
+        return
+    for h in held:
+        left = h.uncollected_views()
+        if left > 0:
+            raise TagConflictError(
+                f"adopt(..., {tag!r}): a storage of {h.storage.nbytes()} bytes is viewed by "
+                f"{left} tensor(s) that adopt was not given. On torch {torch.__version__} "
+                "(no UntypedStorage._swap_data_ptr_, added in torch 2.12) adopt re-points "
+                "only the tensors it is given, and those views would keep the old memory, "
+                "untagged. Pass the tensors that own the memory (the module or optimizer "
+                "itself, or state_dict(keep_vars=True) values, not state_dict() copies), "
+                "or use torch >= 2.12."
+            )
+
+
+def move(held: Held, target: torch.UntypedStorage) -> torch.UntypedStorage:
+    """Copy `held`'s bytes into `target` (same size) and make its tensors use them; returns
+    the storage that holds the memory now (the old one after a swap, `target` after set)."""
+    device = held.storage.device
+    source = torch.empty(0, dtype=torch.uint8, device=device).set_(held.storage)
+    torch.empty(0, dtype=torch.uint8, device=target.device).set_(target).copy_(source)
+    del source
+    if mode() == "swap":
+        held.storage._swap_data_ptr_(target)
+        return held.storage
+    with torch.no_grad():
+        for tensor in held.tensors:
+            tensor.set_(target, tensor.storage_offset(), tensor.size(), tensor.stride())
+    return target
