@@ -30,6 +30,7 @@ from colocate.memory.cached import release_cached
 from colocate.memory.cuda import check_allocator_conf, preload_env
 from colocate.memory.errors import (
     CudaSetupError,
+    ResumeOutOfMemoryError,
     TagConflictError,
     TaggedMemoryError,
     TagPausedError,
@@ -101,7 +102,8 @@ def tags() -> list[str]:
 
 
 __all__ = [
-    "CudaSetupError", "TagConflictError", "TagPausedError", "TagState", "TagStateError",
+    "CudaSetupError", "ResumeOutOfMemoryError", "TagConflictError", "TagPausedError",
+    "TagState", "TagStateError",
     "TaggedMemoryError", "UnknownTagError", "adopt", "check_allocator_conf",
     "ensure_active", "pause", "preload_env", "region", "release_cached", "resident_bytes",
     "resume", "state", "tagged_bytes", "tags",

@@ -66,10 +66,11 @@ def _preload_library() -> str:
     return str(get_binary_path_from_package(PRELOAD_LIBRARY))
 
 
-def cuda_library_dirs() -> list[str]:
-    """torch's own CUDA libraries: the `nvidia/cu*/lib` directories beside torch (the CUDA
-    wheels' libcudart, cuBLAS...); none with a CPU-only torch."""
-    site = Path(torch.__file__).resolve().parent.parent
+def cuda_library_dirs(site: Path | None = None) -> list[str]:
+    """torch's own CUDA libraries: the `nvidia/cu*/lib` directories beside torch in `site`
+    (default: torch's site-packages; the CUDA wheels' libcudart, cuBLAS...); none with a
+    CPU-only torch."""
+    site = site or Path(torch.__file__).resolve().parent.parent
     return [str(d) for d in sorted(site.glob("nvidia/cu*/lib")) if d.is_dir()]
 
 
@@ -78,13 +79,15 @@ def _prepend(path: str, first: list[str]) -> str:
     return ":".join(first + rest)
 
 
-def preload_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+def preload_env(env: Mapping[str, str] | None = None,
+                library_dirs: list[str] | None = None) -> dict[str, str]:
     """A copy of `env` (default: os.environ) set up to start a process in "preload" mode:
-    the hook library in `LD_PRELOAD`, torch's CUDA libraries (which the hook library links
-    against) first on `LD_LIBRARY_PATH`, and the hook mode."""
+    the hook library in `LD_PRELOAD`, torch's CUDA libraries (`library_dirs`, default
+    `cuda_library_dirs()`: the hook library links against their libcudart) first on
+    `LD_LIBRARY_PATH`, and the hook mode."""
     env = dict(os.environ if env is None else env)
     env["LD_PRELOAD"] = _prepend(env.get("LD_PRELOAD", ""), [_preload_library()])
-    dirs = cuda_library_dirs()
+    dirs = cuda_library_dirs() if library_dirs is None else library_dirs
     if dirs:
         env["LD_LIBRARY_PATH"] = _prepend(env.get("LD_LIBRARY_PATH", ""), dirs)
     env[HOOK_MODE_ENV] = "preload"

@@ -84,16 +84,24 @@ def _device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def _check_current(device: torch.device, what: str) -> None:
-    """Refuse CUDA memory on a device other than the current one."""
+def check_cuda_device(tag: str, device: torch.device, current: int,
+                      tag_index: int | None) -> None:
+    """Refuse memory for `tag` on a CUDA device other than the `current` one (it would land
+    untagged: torch_memory_saver tags only the current device's allocations; in torch mode
+    its memory pool is the current device's), or other than the tag's own (`tag_index`)."""
     if device.type != "cuda":
         return
-    current = torch.cuda.current_device()
     if device.index != current:
         raise TagConflictError(
-            f"{what} on {device}, but the current CUDA device is cuda:{current}: "
-            "torch_memory_saver tags only the current device's allocations (the rest would "
-            f"land untagged). Call torch.cuda.set_device({device.index}) first."
+            f"memory for tag {tag!r} on {device}, but the current CUDA device is "
+            f"cuda:{current}: torch_memory_saver tags only the current device's allocations "
+            f"(the rest would land untagged). Call torch.cuda.set_device({device.index}) "
+            "first."
+        )
+    if tag_index not in (None, device.index):
+        raise TagConflictError(
+            f"tag {tag!r} has memory on cuda:{tag_index}; it cannot take memory on {device} "
+            "too (a resume checks and maps one device). Use one tag per device."
         )
 
 
@@ -167,14 +175,9 @@ class TagRegistry:
                 )
 
     def _check_device(self, record: Tag, device: torch.device) -> None:
-        """Refuse CUDA memory off the current device, or off the tag's device."""
-        _check_current(device, f"memory for tag {record.name!r}")
-        if device.type == "cuda" and record.cuda_index not in (None, device.index):
-            raise TagConflictError(
-                f"tag {record.name!r} has memory on cuda:{record.cuda_index}; it cannot take "
-                f"memory on {device} too (a resume checks and maps one device). Use one tag "
-                "per device."
-            )
+        if device.type == "cuda":
+            check_cuda_device(record.name, device, torch.cuda.current_device(),
+                              record.cuda_index)
 
     def _track(self, record: Tag, storages: list[torch.UntypedStorage]) -> None:
         for storage in storages:

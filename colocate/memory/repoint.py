@@ -23,7 +23,11 @@ import torch
 from colocate.memory.errors import TagConflictError
 
 REPOINT_ENV = "COLOCATE_REPOINT"
-HAS_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def has_swap() -> bool:
+    """Whether this torch has `UntypedStorage._swap_data_ptr_` (torch >= 2.12)."""
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 @dataclass
@@ -41,10 +45,10 @@ class Held:
 
 def mode() -> str:
     """"swap" or "set": `COLOCATE_REPOINT` if set, else "swap" where torch has it."""
-    chosen = os.environ.get(REPOINT_ENV) or ("swap" if HAS_SWAP else "set")
+    chosen = os.environ.get(REPOINT_ENV) or ("swap" if has_swap() else "set")
     if chosen not in ("swap", "set"):
         raise ValueError(f"{REPOINT_ENV}={chosen!r}: use 'swap' or 'set'.")
-    if chosen == "swap" and not HAS_SWAP:
+    if chosen == "swap" and not has_swap():
         raise ValueError(f"{REPOINT_ENV}=swap, but torch {torch.__version__} has no "
                          "UntypedStorage._swap_data_ptr_ (torch 2.12 adds it); use 'set'.")
     return chosen
