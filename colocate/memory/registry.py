@@ -105,11 +105,14 @@ def check_cuda_device(tag: str, device: torch.device, current: int,
         )
 
 
-def _reading(device_type: str, index: int | None) -> int:
+def _reading(device_type: str, index: int | None) -> tuple[int, str]:
+    """Memory held now and its scope: this process's ("process"), or on CUDA where NVML
+    does not account per process, the whole device's ("device")."""
     if device_type == "cuda":
-        return telemetry.read_gpu_process(torch.cuda.current_device() if index is None
-                                          else index).used_bytes
-    return telemetry.process_rss()
+        reading = telemetry.read_gpu_process(torch.cuda.current_device() if index is None
+                                             else index)
+        return reading.used_bytes, reading.scope
+    return telemetry.process_rss(), "process"
 
 
 class TagRegistry:
@@ -302,13 +305,13 @@ class TagRegistry:
     def _measured(self, op: str, record: Tag, device_type: str, action) -> None:
         backend = self._backend(device_type)
         nbytes = record.nbytes(device_type)
-        start, before = time.time(), _reading(device_type, record.cuda_index)
+        start, (before, _) = time.time(), _reading(device_type, record.cuda_index)
         began = time.perf_counter()
         action(backend)
         seconds = time.perf_counter() - began
         if op == "pause":  # what the allocators keep of freed memory goes too (untimed)
             release_cached()
-        after = _reading(device_type, record.cuda_index)
+        after, scope = _reading(device_type, record.cuda_index)
         telemetry.timeline().record(telemetry.SwitchEvent(
             op=op, tag=record.name, nbytes=nbytes, seconds=seconds, before_bytes=before,
             after_bytes=after, start=start, pid=os.getpid(),
@@ -316,7 +319,11 @@ class TagRegistry:
             else f"cuda:{record.cuda_index}",
         ))
         if op == "pause":
-            telemetry.leak_tracker().observe(f"{record.name}@{device_type}", after)
+            # a device-wide reading moves with other processes too: allow for them
+            telemetry.leak_tracker().observe(
+                f"{record.name}@{device_type}", after,
+                min_tolerance_bytes=telemetry.DEVICE_WIDE_TOLERANCE_BYTES if scope == "device"
+                else 0)
 
     # -- queries -----------------------------------------------------------------------
 
