@@ -32,7 +32,7 @@ from colocate.memory.errors import (
     TagStateError,
     UnknownTagError,
 )
-from colocate.memory.repoint import Held, check_movable
+from colocate.memory.repoint import Held, complete
 from colocate.memory.storages import Capture, collect_held, revive
 
 
@@ -247,7 +247,7 @@ class TagRegistry:
                 by_device.setdefault(h.storage.device, []).append(h)
             for device in by_device:
                 self._check_device(record, device)
-            check_movable(held, tag)
+            complete(held, tag)
             for device, group in by_device.items():
                 self._track(record, self._backend(device.type).adopt(tag, group, backup))
             return sum(h.storage.nbytes() for h in held)

@@ -5,16 +5,18 @@ Two ways, chosen by feature detection (`COLOCATE_REPOINT=swap|set` forces one):
 
 - "swap": `UntypedStorage._swap_data_ptr_` (torch >= 2.12) swaps the memory behind the
   storage in place; every tensor and view of the storage follows.
-- "set": torch 2.11 (the lent GPU machine's) has no `_swap_data_ptr_`, so each tensor that
-  `collect` found is re-pointed with `Tensor.set_(new_storage, offset, size, stride)` under
-  no_grad. That cannot move a tensor it was not given: a view kept elsewhere (a detached
-  copy such as a `state_dict()` value, a slice in an attribute, DDP's gradient buckets)
-  would keep the old memory, untagged. `check_movable` counts such views (the storage's
-  use count) and refuses before anything moves.
+- "set": torch 2.11 (the lent GPU machine's) has no `_swap_data_ptr_`, so each tensor
+  viewing the storage is re-pointed with `Tensor.set_(new_storage, offset, size, stride)`
+  under no_grad. `complete` finds them: those `collect` found, and where the storage's use
+  count says there are more (a `state_dict()` copy, a slice kept in an attribute), every
+  tensor object the garbage collector knows. What it cannot move is a view that no Python
+  object holds (one saved by autograd for a backward, DDP's gradient buckets): that one
+  would keep the old memory, untagged, so `complete` refuses before anything moves.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -54,21 +56,33 @@ def mode() -> str:
     return chosen
 
 
-def check_movable(held: list[Held], tag: str) -> None:
-    """Raise before anything moves if the "set" way would leave views behind."""
+def complete(held: list[Held], tag: str) -> None:
+    """In "set" mode, add to each `Held` the other tensor objects that view its storage, and
+    raise before anything moves if views that no Python object holds remain."""
     if mode() == "swap":
         return
-    for h in held:
+    short = {h.storage._cdata: h for h in held if h.uncollected_views() > 0}
+    if short:
+        for obj in gc.get_objects():
+            if not issubclass(type(obj), torch.Tensor):
+                continue
+            try:
+                h = short.get(obj.untyped_storage()._cdata)
+            except Exception:  # wrapper subclasses and meta tensors have no storage
+                continue
+            if h is not None and all(obj is not t for t in h.tensors):
+                h.tensors.append(obj)
+    for h in short.values():
         left = h.uncollected_views()
         if left > 0:
             raise TagConflictError(
                 f"adopt(..., {tag!r}): a storage of {h.storage.nbytes()} bytes is viewed by "
-                f"{left} tensor(s) that adopt was not given. On torch {torch.__version__} "
-                "(no UntypedStorage._swap_data_ptr_, added in torch 2.12) adopt re-points "
-                "only the tensors it is given, and those views would keep the old memory, "
-                "untagged. Pass the tensors that own the memory (the module or optimizer "
-                "itself, or state_dict(keep_vars=True) values, not state_dict() copies), "
-                "or use torch >= 2.12."
+                f"{left} tensor(s) that no Python object holds (saved by autograd for a "
+                "backward, a gradient bucket of DDP...). On torch "
+                f"{torch.__version__} (no UntypedStorage._swap_data_ptr_, added in torch "
+                "2.12) adopt re-points tensor objects, and those views would keep the old "
+                "memory, untagged. Adopt before the backward or the wrapper takes them, or "
+                "use torch >= 2.12."
             )
 
 
