@@ -173,7 +173,8 @@ def warm_libraries(device: torch.device) -> None:
     on another stream get their own workspace: make them outside regions first too."""
     a = torch.ones(16, 16, device=device)
     a @ a
-    for dtype in (torch.float16, torch.bfloat16):  # addmm with bias goes through cuBLASLt
+    dtypes = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
+    for dtype in dtypes:  # addmm with a bias goes through cuBLASLt
         h = a.to(dtype)
         torch.nn.functional.linear(h, h, h[0])
     if torch.backends.cudnn.is_available():
