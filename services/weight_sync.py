@@ -4,8 +4,11 @@ A generator replica on the same procs as a trainer replica (one resource group) 
 by a staged handoff through the arbiters: its weights wake while the trainer keeps only
 its weights, it copies them in place, the trainer sleeps, then its caches wake. So the
 peak is the two weight sets, never trainer + generator + cache. A replica on other procs
-of the same host loads them from shared memory, exported once by the trainer's rank 0; a
-replica on another host reads them from the trainer's rank 0 over Monarch RDMA buffers.
+of the same host loads them from shared memory, exported once by the trainer's rank 0 (its
+other ranks take part in the gathers of a sharded trainer); a replica on another host
+reads them from the trainer's rank 0 over Monarch RDMA buffers. From an FSDP trainer the
+colocated handoffs must cover every trainer proc, since each bucket is gathered by all
+its ranks at once (the RL loop's shape: one generator replica per trainer proc).
 The handoffs run all at once, and so do the loads. A generator replica found dead on the
 way is reported lost and left to its service, which respawns it; the others are synced
 all the same.
@@ -18,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from colocate.arbiter.actor import remote_errors
-from colocate.resources.manager import select
 from services.errors import ServiceUnavailableError
 from services.replica import Health, Replica
 from services.service import Service
@@ -65,7 +67,6 @@ async def sync_weights(trainer: Service, generator: Service,
     rm = trainer.rm
     source = _healthy(trainer)[0]
     source_slots = set(rm.tenants.get(source.tenant, source.allocation.slots))
-    rank0 = select(source.actors, hosts=0, gpus=0)
     source_host = source.allocation.slots[0][0]
     report = SyncReport()
     targets = _healthy(generator) if replicas is None else list(replicas)
@@ -82,8 +83,8 @@ async def sync_weights(trainer: Service, generator: Service,
         readers = [r for r in apart if _way(r, source_host) == way]
         if not readers:
             continue
-        async with remote_errors():
-            offered = await getattr(rank0, offer).call_one()
+        async with remote_errors():  # every rank takes part (FSDP gathers); rank 0 answers
+            offered = await source.call(offer, (), {})
         loads = await asyncio.gather(*(getattr(r.actors, load).call(offered) for r in readers),
                                      return_exceptions=True)
         for replica, loaded in zip(readers, loads, strict=True):

@@ -42,6 +42,23 @@ def isolated() -> Callable[..., Any]:
     return run_isolated
 
 
+# tiny random Hugging Face models, one per architecture the tests cover (Qwen2 with tied
+# embeddings), written once per session
+MODELS = {"llama": {}, "qwen2": {"tie_embeddings": True}, "qwen3": {}}
+ALPHABET = "0123456789+=>"
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """architecture -> the directory of a tiny random model of it (seed 0)."""
+    from colocate.engines.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {arch: str(write_tiny_model(root / arch, arch, alphabet=ALPHABET,
+                                       max_positions=48, **options))
+            for arch, options in MODELS.items()}
+
+
 @pytest.fixture(scope="module")
 def procs_import_tests() -> Iterator[None]:
     """Procs unpickle actors and functions defined in test modules (`test_x.Probe`): put

@@ -1,6 +1,6 @@
-"""Trainer and generator services on real Monarch procs: DDP training over gloo, then
-`sync_weights` by staged handoff (one resource group), through shared memory (two), or over
-Monarch RDMA buffers (two hosts)."""
+"""Trainer and generator services on real Monarch procs: DDP or FSDP training over gloo on
+a Hugging Face model, then `sync_weights` by staged handoff (one resource group), through
+shared memory (two), or over Monarch RDMA buffers (two hosts)."""
 
 from __future__ import annotations
 
@@ -9,43 +9,42 @@ import torch
 
 from colocate import phase
 from colocate.engines.actors import GeneratorActor, TrainerActor
-from colocate.engines.llama import Llama, LlamaConfig, save_pretrained
 from colocate.engines.sampling import SamplingParams
-from colocate.engines.tokenizer import CharTokenizer
+from colocate.engines.tiny import write_tiny_model
 from colocate.testing import start_runtime
 from services import ServiceConfig, spawn_service, sync_weights
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("procs_import_tests")]
 
-TOKENIZER = CharTokenizer("0123456789+=>")
-PROMPTS = [TOKENIZER.encode(p) for p in ("12+34=", "7>", "905+1=")]
-GREEDY = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=(TOKENIZER.eos_id,))
+# char ids of the tiny models: 0 pad, 1 bos, 2 eos, then "0123456789+=>"
+PROMPTS = [[1, 4, 5, 13, 6, 7, 14], [1, 10, 15], [1, 12, 3, 8, 13, 4, 14]]
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=(2,))
 BATCH = torch.tensor([PROMPTS[0], PROMPTS[2]])
 
 
 def logit_loss(module, batch):
     """Pushes token 5's logits down, so a step visibly changes the weights."""
-    return module(batch)[..., 5].mean(), {"rows": float(batch.shape[0])}
+    return module(input_ids=batch).logits[..., 5].mean(), {"rows": float(batch.shape[0])}
 
 
 @pytest.fixture
 def model_dir(tmp_path):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=TOKENIZER.vocab_size, dim=64, n_heads=2, n_kv_heads=1,
-                         hidden_dim=128, max_seq_len=32)
-    return str(save_pretrained(Llama(config), tmp_path / "model", TOKENIZER))
+    return str(write_tiny_model(tmp_path / "model", "qwen2", alphabet="0123456789+=>",
+                                tie_embeddings=True, init_std=0.1))
 
 
 # vLLM starts a one-rank torch.distributed group of its own, so it cannot share a proc with
-# a DDP trainer's group (refused with a clear error): with vLLM the trainer has one proc.
-@pytest.mark.parametrize(("engine", "slots"), [("torch", 2), ("vllm", 1)])
-async def test_colocated_trainer_hands_weights_to_generator_replicas(colocate_runtime,
-                                                                    model_dir, engine, slots):
+# a trainer's group (refused with a clear error): with vLLM the trainer has one proc.
+@pytest.mark.parametrize(("engine", "slots", "parallel"),
+                         [("torch", 2, "ddp"), ("torch", 2, "fsdp"), ("vllm", 1, "ddp")])
+async def test_colocated_trainer_hands_weights_to_generator_replicas(
+        colocate_runtime, model_dir, engine, slots, parallel):
     if engine == "vllm":
         pytest.importorskip("vllm")
     rm = colocate_runtime
     trainer = await spawn_service(ServiceConfig(procs_per_host=slots, resource_group="rl"),
-                                  TrainerActor, model_dir, name="trainer")
+                                  TrainerActor, model_dir, lr=0.05, name="trainer",
+                                  parallel=parallel)
     generator = await spawn_service(ServiceConfig(num_replicas=slots, resource_group="rl"),
                                     GeneratorActor, model_dir, engine=engine, name="generator")
     async with phase(generator):
@@ -60,18 +59,21 @@ async def test_colocated_trainer_hands_weights_to_generator_replicas(colocate_ru
     assert set(report.handoff) == replicas and not report.shared_memory
     assert all(b > 0 for b in report.handoff.values())
     status = await rm.status()
+    stages = ["weights", "kv_cache"] if engine == "vllm" else ["weights"]
     for s in range(slots):
-        assert status[0][s] == {"trainer_r0": [], f"generator_r{s}": ["weights", "kv_cache"]}
+        assert status[0][s] == {"trainer_r0": [], f"generator_r{s}": stages}
     assert await generator.checksum.fanout() == [trained] * slots
     after = await generator.generate.fanout(PROMPTS, GREEDY)
     assert all(out == after[0] for out in after)  # every replica holds the trained weights
     assert [c.tokens for c in after[0]] != [c.tokens for c in before[0]]
 
 
-async def test_generators_in_another_group_load_through_shared_memory(model_dir):
-    async with start_runtime(gpus_per_host=3):
-        trainer = await spawn_service(ServiceConfig(resource_group="train"), TrainerActor,
-                                      model_dir, name="trainer")
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+async def test_generators_in_another_group_load_through_shared_memory(model_dir, parallel):
+    async with start_runtime(gpus_per_host=4):
+        trainer = await spawn_service(ServiceConfig(procs_per_host=2, resource_group="train"),
+                                      TrainerActor, model_dir, name="trainer",
+                                      parallel=parallel)
         generator = await spawn_service(ServiceConfig(num_replicas=2, resource_group="generate"),
                                         GeneratorActor, model_dir, name="generator")
         for _ in range(2):  # the second sync writes over the first export, in place
@@ -88,7 +90,7 @@ async def test_generator_on_another_host_reads_over_rdma(model_dir):
     the weights cross over Monarch RDMA buffers (its TCP transport on this machine)."""
     async with start_runtime("processes", hosts=2, gpus_per_host=1):
         trainer = await spawn_service(ServiceConfig(resource_group="train"), TrainerActor,
-                                      model_dir, name="trainer")
+                                      model_dir, lr=0.05, name="trainer")
         generator = await spawn_service(ServiceConfig(resource_group="generate"),
                                         GeneratorActor, model_dir, name="generator")
         hosts = {s.replicas[0].allocation.slots[0][0] for s in (trainer, generator)}

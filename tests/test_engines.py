@@ -1,12 +1,15 @@
-"""The engines without Monarch: the Llama against transformers, the torch generator, the
-trainer under tags, weight sync (in place and through shared memory), and the arbiter's
-staged handoff between a real trainer and generator in one process."""
+"""The engines without Monarch, on Hugging Face models (tiny Llama, Qwen2 with tied
+embeddings, Qwen3): model directories and their bad forms, the trainer against
+transformers, the torch generator against `generate`, the trainer under tags, weight
+streams and sync (in place and through shared memory), and the arbiter's staged handoff
+between a real trainer and generator in one process."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -15,140 +18,167 @@ from colocate import memory, telemetry
 from colocate.arbiter import SlotArbiter, SwitchError
 from colocate.arbiter.local import LocalTenantHandle
 from colocate.engines.generator import TorchGenerator, WeightsDiscardedError
-from colocate.engines.llama import KVCache, Llama, LlamaConfig, load_pretrained, save_pretrained
+from colocate.engines.models import ModelDirError, check_model_dir, load_model, load_tokenizer
 from colocate.engines.sampling import SamplingParams
-from colocate.engines.tokenizer import CharTokenizer
+from colocate.engines.tiny import write_tiny_model
 from colocate.engines.trainer import PolicyTrainer
 from colocate.engines.weights import (
     StaleWeightsError,
+    WeightStream,
     digest,
     export_weights,
     read_exported,
 )
 
-TOKENIZER = CharTokenizer("0123456789+=>")
-SMALL = LlamaConfig(vocab_size=TOKENIZER.vocab_size, dim=64, n_heads=2, n_kv_heads=1,
-                    hidden_dim=128, max_seq_len=48)
-PROMPTS = [TOKENIZER.encode(p) for p in ("12+34=", "7>", "905+1=", "3")]
-GREEDY = SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=(TOKENIZER.eos_id,))
+TEXTS = ("12+34=", "7>", "905+1=", "3")
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=(2,))  # 2: eos
 
 
-def model(seed: int, config: LlamaConfig = SMALL) -> Llama:
-    torch.manual_seed(seed)
-    return Llama(config)
+def net(path: str, seed: int = 0) -> torch.nn.Module:
+    """The directory's model; with a seed, every weight moved by a little seeded noise."""
+    model = load_model(path)
+    if seed:
+        rng = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=rng))
+    return model
 
 
-def greedy_reference(net: Llama, prompt: list[int], params: SamplingParams) -> list[int]:
-    """Greedy decoding by full forward passes, no cache: what the generator must match."""
-    tokens = list(prompt)
-    with torch.no_grad():
-        for _ in range(params.max_new_tokens):
-            tokens.append(int(net(torch.tensor([tokens]))[0, -1].argmax()))
-            if tokens[-1] in params.stop_token_ids:
-                break
-    return tokens[len(prompt):]
+def prompts(path: str) -> list[list[int]]:
+    tokenizer = load_tokenizer(path)
+    return [tokenizer(text).input_ids for text in TEXTS]
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], params: SamplingParams) -> list[int]:
+    """transformers' own greedy decoding: what the generator must match."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                                                           dtype=torch.long),
+                         do_sample=False, max_new_tokens=params.max_new_tokens,
+                         eos_token_id=list(params.stop_token_ids), pad_token_id=0)
+    return out[0, len(prompt):].tolist()
 
 
 def sum_loss(module, batch):
     """A loss that pushes every logit of token 5 down: training visibly changes weights."""
-    return module(batch)[..., 5].mean(), {}
+    return module(input_ids=batch).logits[..., 5].mean(), {}
 
 
-# -- the model ---------------------------------------------------------------------------------
-
-def test_llama_matches_transformers_and_padding_and_cache(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    net = model(0).eval()
-    save_pretrained(net, tmp_path, TOKENIZER)
-    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
-    x = torch.tensor([PROMPTS[0]])
-    padded = torch.tensor([[0, 0, 0] + PROMPTS[0]])
-    cache = KVCache.allocate(SMALL, 1, "cpu")
-    with torch.no_grad():
-        ours, theirs = net(x), hf(x).logits
-        unpadded_rows = net(padded, padded != 0)[:, 3:]
-        head = net(padded[:, :5], padded[:, :5] != 0, cache, 0)
-        tail = net(padded[:, 5:], padded != 0, cache, 5)
-    assert torch.allclose(ours, theirs, atol=1e-5)
-    assert torch.allclose(ours, unpadded_rows, atol=1e-5)
-    assert torch.allclose(ours, torch.cat([head, tail], 1)[:, 3:], atol=1e-5)
-    assert digest(load_pretrained(tmp_path).state_dict().items()) == \
-        digest(net.state_dict().items())
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    assert tokenizer("12+34=").input_ids == TOKENIZER.encode("12+34=", bos=False)
+def ce_loss(module, batch):
+    """Next-token cross-entropy, as transformers computes it from `labels`."""
+    logits = module(input_ids=batch).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                             batch[:, 1:].flatten()), {}
 
 
-def test_config_and_tokenizer_reject_bad_input():
-    with pytest.raises(ValueError, match="n_heads"):
-        LlamaConfig(dim=64, n_heads=3)
-    with pytest.raises(ValueError, match="not in the alphabet"):
-        TOKENIZER.encode("12a")
-    with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=-1)
+# -- model directories ----------------------------------------------------------------------
+
+def test_bad_model_directories_are_refused_naming_the_file_or_field(tmp_path, model_dirs):
+    def copy(name: str) -> str:
+        return str(shutil.copytree(model_dirs["llama"], tmp_path / name))
+
+    with pytest.raises(ModelDirError, match="does not exist"):
+        check_model_dir(tmp_path / "nowhere")
+    no_config = copy("no_config")
+    os.remove(f"{no_config}/config.json")
+    with pytest.raises(ModelDirError, match="has no config.json"):
+        load_model(no_config)
+    unknown = copy("unknown")
+    config = json.loads(open(f"{unknown}/config.json").read())
+    open(f"{unknown}/config.json", "w").write(json.dumps({**config, "model_type": "nonesuch"}))
+    with pytest.raises(ModelDirError, match="model_type 'nonesuch'"):
+        load_model(unknown)
+    no_eos = copy("no_eos")
+    tokenizer_config = json.loads(open(f"{no_eos}/tokenizer_config.json").read())
+    tokenizer_config.pop("eos_token")
+    open(f"{no_eos}/tokenizer_config.json", "w").write(json.dumps(tokenizer_config))
+    with pytest.raises(ModelDirError, match="no end-of-sequence token"):
+        load_tokenizer(no_eos)
+    small = copy("small_vocab")
+    open(f"{small}/config.json", "w").write(json.dumps({**config, "vocab_size": 8}))
+    with pytest.raises(ModelDirError, match="16 tokens but the model's embeddings only 8"):
+        load_model(small)
 
 
-# -- the generator ----------------------------------------------------------------------------
+# -- the trainer and the generator against transformers, per architecture ---------------------
 
-def test_generator_greedy_equals_full_forward_after_weight_sync():
-    trainer = PolicyTrainer(model(1), prefix="t_sync")
-    gen = TorchGenerator(model(2), max_batch=3, prefix="g_sync")  # 4 prompts: two batches
-    assert digest(gen.named_weights()) != digest(trainer.named_weights())
-    trainer.step(sum_loss, torch.tensor([PROMPTS[0]]))
-    copied = gen.load_weights(trainer.named_weights())
-    assert copied == sum(p.numel() * 4 for p in trainer.model.parameters())
-    assert digest(gen.named_weights()) == digest(trainer.named_weights())
-    out = gen.generate(PROMPTS, GREEDY)
-    assert [c.tokens for c in out] == [greedy_reference(trainer.model, p, GREEDY)
-                                       for p in PROMPTS]
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_trainer_loss_equals_transformers_reference(model_dirs, arch):
+    batch = torch.tensor([p[:2] for p in prompts(model_dirs[arch])])
+    reference = net(model_dirs[arch])
+    expected = reference(input_ids=batch, labels=batch).loss.item()
+    trainer = PolicyTrainer(net(model_dirs[arch]), prefix=f"t_ref_{arch}")
+    assert trainer.step(ce_loss, batch)["loss"] == pytest.approx(expected, rel=1e-6)
 
 
-def test_sampling_is_seeded_and_logprobs_are_the_policy():
-    gen = TorchGenerator(model(3), prefix="g_sample")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_generator_greedy_equals_transformers_generate_after_a_sync(model_dirs, arch):
+    path = model_dirs[arch]
+    trainer = PolicyTrainer(net(path, seed=1), prefix=f"t_sync_{arch}")
+    gen = TorchGenerator(net(path, seed=2), max_batch=3, prefix=f"g_sync_{arch}")  # 2 batches
+    assert digest(gen.weights().tensors()) != digest(trainer.weights().tensors())
+    trainer.step(sum_loss, torch.tensor([prompts(path)[0]]))
+    copied = gen.load_weights(trainer.weights())
+    assert copied == sum(t.numel() * 4 for t in trainer.model.state_dict().values())
+    assert digest(gen.weights().tensors()) == digest(trainer.weights().tensors())
+    out = gen.generate(prompts(path), GREEDY)
+    assert [c.tokens for c in out] == [hf_greedy(trainer.model, p, GREEDY)
+                                       for p in prompts(path)]
+
+
+def test_sampling_is_seeded_and_logprobs_are_the_policy(model_dirs):
+    path = model_dirs["qwen2"]
+    gen = TorchGenerator(net(path, seed=3), prefix="g_sample")
+    batch = prompts(path)
     params = SamplingParams(max_new_tokens=6, temperature=0.7, seed=11)
-    first, again = gen.generate(PROMPTS, params), gen.generate(PROMPTS, params)
+    first, again = gen.generate(batch, params), gen.generate(batch, params)
     assert [c.tokens for c in first] == [c.tokens for c in again]
-    other = gen.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.7, seed=12))
+    other = gen.generate(batch, SamplingParams(max_new_tokens=6, temperature=0.7, seed=12))
     assert [c.tokens for c in first] != [c.tokens for c in other]
     completion = first[0]
     with torch.no_grad():
-        logits = gen.model(torch.tensor([PROMPTS[0] + completion.tokens[:-1]]))[0]
-    expected = (logits[len(PROMPTS[0]) - 1:] / 0.7).log_softmax(-1)
+        logits = gen.model(input_ids=torch.tensor([batch[0] + completion.tokens[:-1]]))
+    expected = (logits.logits[0, len(batch[0]) - 1:] / 0.7).log_softmax(-1)
     expected = expected.gather(-1, torch.tensor(completion.tokens)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
-    nucleus = gen.generate(PROMPTS, SamplingParams(max_new_tokens=6, top_p=1e-6, seed=5))
-    greedy = gen.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0))
+    nucleus = gen.generate(batch, SamplingParams(max_new_tokens=6, top_p=1e-6, seed=5))
+    greedy = gen.generate(batch, SamplingParams(max_new_tokens=6, temperature=0))
     assert [c.tokens for c in nucleus] == [c.tokens for c in greedy]
 
 
-def test_generator_refuses_bad_calls_without_corruption():
-    gen = TorchGenerator(model(4), prefix="g_bad")
-    before = digest(gen.named_weights())
+def test_generator_refuses_bad_calls_and_bad_weights_whole(model_dirs):
+    gen = TorchGenerator(net(model_dirs["llama"], seed=4), prefix="g_bad")
+    before = digest(gen.weights().tensors())
     with pytest.raises(ValueError, match="do not fit"):
         gen.generate([[1] * 45], GREEDY)
-    wrong = dict(gen.named_weights())
-    wrong["lm_head.weight"] = torch.zeros(3, 3)
-    with pytest.raises(ValueError, match="nothing was copied"):
-        gen.load_weights(wrong.items())
-    assert digest(gen.named_weights()) == before
+    good = dict(gen.weights().tensors())
+    for name, bad, message in (
+            ("wrong shape", {**good, "lm_head.weight": torch.zeros(3, 3)},
+             r"wrong shapes \['lm_head.weight: \(3, 3\) != \(16, 64\)'\]"),
+            ("missing", {n: t for n, t in good.items() if n != "model.norm.weight"},
+             r"missing \['model.norm.weight'\]"),
+            ("extra", {**good, "model.extra.weight": torch.zeros(2)},
+             r"unknown \['model.extra.weight'\]")):
+        with pytest.raises(ValueError, match=f"nothing was written.*{message}"):
+            gen.load_weights({n: t.clone() + 1 for n, t in bad.items()}.items())
+        assert digest(gen.weights().tensors()) == before, name
     gen.sleep()
     with pytest.raises(memory.TagPausedError):
-        gen.generate(PROMPTS, GREEDY)
+        gen.generate(prompts(model_dirs["llama"]), GREEDY)
     with pytest.raises(memory.TagPausedError):
-        gen.load_weights(wrong.items())
+        gen.load_weights(good.items())
     with pytest.raises(KeyError, match="unknown stage"):
         gen.wake(["weights", "optimizer"])
-    gen.wake(["weights", "kv_cache"])
-    assert digest(gen.named_weights()) == before
+    gen.wake(["weights"])
+    assert digest(gen.weights().tensors()) == before
 
 
-# -- the trainer ----------------------------------------------------------------------------
+# -- the trainer under tags, weight streams -----------------------------------------------------
 
-def trainer_sleep_scenario() -> dict:
-    big = LlamaConfig(vocab_size=16, dim=256, n_heads=4, n_kv_heads=2, hidden_dim=1024,
-                      n_layers=4, max_seq_len=32)
-    batch = torch.randint(0, 16, (4, 16), generator=torch.Generator().manual_seed(0))
-    slept, twin = PolicyTrainer(model(5, big), prefix="slept"), \
-        PolicyTrainer(model(5, big), prefix="twin")
+def trainer_sleep_scenario(path: str) -> dict:
+    batch = torch.randint(3, 16, (4, 16), generator=torch.Generator().manual_seed(0))
+    slept = PolicyTrainer(load_model(path), prefix="slept")
+    twin = PolicyTrainer(load_model(path), prefix="twin")
     losses = [slept.step(sum_loss, batch)["loss"] for _ in range(3)]
     twin_losses = [twin.step(sum_loss, batch)["loss"] for _ in range(3)]
     info = slept.describe()
@@ -156,47 +186,71 @@ def trainer_sleep_scenario() -> dict:
     released = slept.sleep()
     after = telemetry.process_rss()
     slept.wake(list(slept.tenancy.stages))
+    params = sum(p.numel() * 4 for p in slept.model.parameters())
     return {
         "losses": losses, "twin_losses": twin_losses, "stages": info.stages,
-        "tagged": info.tagged_bytes, "released": released, "rss_drop": before - after,
+        "tagged": info.tagged_bytes, "params": params, "released": released,
+        "rss_drop": before - after,
         "next": slept.step(sum_loss, batch)["loss"],
         "twin_next": twin.step(sum_loss, batch)["loss"],
-        "same_weights": digest(slept.named_weights()) == digest(twin.named_weights()),
+        "same_weights": digest(slept.weights().tensors()) == digest(twin.weights().tensors()),
     }
 
 
-def test_trainer_sleeps_all_its_memory_and_trains_on_identically(isolated):
-    out = isolated(trainer_sleep_scenario)
+def test_trainer_sleeps_all_its_memory_and_trains_on_identically(isolated, tmp_path):
+    path = str(write_tiny_model(tmp_path / "m", "qwen2", alphabet="0123456789+=>",
+                                hidden_size=256, layers=4, heads=4, kv_heads=2,
+                                intermediate_size=1024))
+    out = isolated(trainer_sleep_scenario, path)
     assert out["losses"][-1] < out["losses"][0]
     assert out["losses"] == out["twin_losses"]
-    params = 4 * (16 * 256 * 2 + 4 * (256 * 256 * 2 + 256 * 128 * 2 + 3 * 256 * 1024 + 512)
-                  + 256)
-    assert out["tagged"] >= 4 * params  # weights + grads + two AdamW moments
+    assert out["tagged"] >= 4 * out["params"]  # weights + grads + two AdamW moments
     assert out["released"] == out["tagged"]
     assert out["rss_drop"] >= 0.95 * out["released"]
     assert out["next"] == out["twin_next"] and out["same_weights"]
 
 
+def test_weights_come_in_buckets_of_bounded_size(tmp_path):
+    path = write_tiny_model(tmp_path / "m", "llama", hidden_size=256, intermediate_size=1024)
+    trainer = PolicyTrainer(load_model(path), prefix="t_buckets", bucket_mb=1)
+    stream = trainer.weights()
+    buckets = list(stream.buckets())
+    sizes = [sum(t.numel() * t.element_size() for _, t in bucket) for bucket in buckets]
+    largest = max(t.numel() * t.element_size() for _, t in stream.tensors())
+    assert len(buckets) > 2 and max(sizes) <= max(1 << 20, largest)
+    assert {n for b in buckets for n, _ in b} == set(stream.specs)
+    gen = TorchGenerator(net(str(path), seed=5), prefix="g_buckets")
+    gen.load_weights(stream)
+    assert digest(gen.weights().tensors()) == digest(trainer.weights().tensors())
+
+
 # -- weight sync across processes ---------------------------------------------------------------
+
+def mlp(seed: int, width: int = 64) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 16))
+
 
 def read_export(manifest) -> str:
     return read_exported(manifest, digest)
 
 
 def test_shared_memory_export_reaches_another_process(isolated):
-    net = model(6)
-    manifest = export_weights(net.state_dict().items(), "test_engines/export", version=3)
+    model = mlp(6)
+    manifest = export_weights(model.state_dict().items(), "test_engines/export", version=3)
     assert manifest.version == 3
-    assert isolated(read_export, manifest) == digest(net.state_dict().items())
+    assert isolated(read_export, manifest) == digest(model.state_dict().items())
     inode = os.stat(manifest.path).st_ino
-    net.apply(lambda m: [p.data.add_(1) for p in m.parameters(recurse=False)])
-    again = export_weights(net.state_dict().items(), "test_engines/export", version=4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    again = export_weights(model.state_dict().items(), "test_engines/export", version=4)
     assert os.stat(again.path).st_ino == inode  # written in place, over the last export
-    assert isolated(read_export, again) == digest(net.state_dict().items())
+    assert isolated(read_export, again) == digest(model.state_dict().items())
 
 
 def export_and_exit(key: str) -> str:
-    return export_weights(model(8).state_dict().items(), key).path
+    return export_weights(mlp(8).state_dict().items(), key).path
 
 
 def test_an_export_goes_when_its_writer_exits(isolated):
@@ -205,23 +259,29 @@ def test_an_export_goes_when_its_writer_exits(isolated):
 
 
 def test_an_export_during_a_read_is_detected():
-    net = model(7)
+    model = mlp(7)
     key = "test_engines/overwritten"
-    first = export_weights(net.state_dict().items(), key, version=1)
+    first = export_weights(model.state_dict().items(), key, version=1)
 
     def load_while_exporting(views):
         copied = [(name, t.clone()) for name, t in views]
-        export_weights(net.state_dict().items(), key, version=2)  # a second writer
+        export_weights(model.state_dict().items(), key, version=2)  # a second writer
         return copied
 
     with pytest.raises(StaleWeightsError, match="version 2 after the read.*may be torn"):
         read_exported(first, load_while_exporting)
     with pytest.raises(StaleWeightsError, match="before the read.*nothing was loaded"):
         read_exported(first, digest)
-    grown = dataclasses.replace(SMALL, dim=2 * SMALL.dim)
-    export_weights(model(7, grown).state_dict().items(), key, version=3)
+    export_weights(mlp(7, width=128).state_dict().items(), key, version=3)
     with pytest.raises(StaleWeightsError, match="other tensors"):
         read_exported(first, digest)
+
+
+def test_a_stream_of_existing_tensors_is_one_bucket():
+    pairs = list(mlp(9).state_dict().items())
+    stream = WeightStream.of(pairs)
+    assert [len(b) for b in stream.buckets()] == [len(pairs)]
+    assert stream.specs["0.weight"] == ((64, 64), torch.float32)
 
 
 # -- the staged handoff through the arbiter ---------------------------------------------------
@@ -238,80 +298,83 @@ class RecordingGenerator(TorchGenerator):
         return super().receive(source)
 
 
-def handoff_scenario(fail: bool) -> dict:
+def handoff_scenario(path: str, fail: bool) -> dict:
     async def run():
         arbiter = SlotArbiter([0])
-        trainer = PolicyTrainer(model(7), prefix="trainer")
-        gen = RecordingGenerator(model(8), prefix="generator")
+        trainer = PolicyTrainer(net(path, seed=7), prefix="trainer")
+        gen = RecordingGenerator(net(path, seed=8), prefix="generator")
         gen.fail = fail
         await arbiter.register(0, LocalTenantHandle("trainer", trainer))
         await arbiter.register(0, LocalTenantHandle("generator", gen))  # put to sleep
-        trainer.step(sum_loss, torch.tensor([PROMPTS[0]]))
-        trained, old = digest(trainer.named_weights()), None
+        trainer.step(sum_loss, torch.tensor([[1, 4, 5]]))
+        trained, old = digest(trainer.weights().tensors()), None
         out = {}
         try:
             out["copied"] = await arbiter.handoff("trainer", "generator")
         except SwitchError as err:
             out["error"], out["after_error"] = str(err), arbiter.status()[0]
             await arbiter.wake("generator")
-            old = digest(gen.named_weights())
+            old = digest(gen.weights().tensors())
         out.update(status=arbiter.status()[0], seen=gen.seen,
-                   synced=digest(gen.named_weights()) == trained,
-                   untouched=old == digest(model(8).state_dict().items()))
+                   synced=digest(gen.weights().tensors()) == trained,
+                   untouched=old == digest(net(path, seed=8).state_dict().items()))
         return out
 
     return asyncio.run(run())
 
 
-def test_handoff_is_staged_and_leaves_the_generator_with_the_trained_weights(isolated):
-    out = isolated(handoff_scenario, False)
+def test_handoff_is_staged_and_leaves_the_generator_with_the_trained_weights(isolated,
+                                                                              model_dirs):
+    out = isolated(handoff_scenario, model_dirs["llama"], False)
     assert out["seen"] == {  # during the copy: only the two weight stages held
         "trainer/weights": "active", "trainer/optimizer": "paused", "trainer/grads": "paused",
-        "generator/weights": "active", "generator/kv_cache": "paused"}
-    assert out["status"] == {"trainer": [], "generator": ["weights", "kv_cache"]}
+        "generator/weights": "active"}
+    assert out["status"] == {"trainer": [], "generator": ["weights"]}
     assert out["synced"] and out["copied"] > 0
 
 
-def test_failed_handoff_rolls_back_to_the_trainer(isolated):
-    out = isolated(handoff_scenario, True)
+def test_failed_handoff_rolls_back_to_the_trainer(isolated, model_dirs):
+    out = isolated(handoff_scenario, model_dirs["llama"], True)
     assert "injected copy failure" in out["error"] and "rolled back" in out["error"]
     assert out["seen"]["generator/weights"] == "active"
     assert out["after_error"] == {"trainer": ["weights", "optimizer", "grads"],
                                   "generator": []}
     # then the generator was woken by hand: its weights were not touched
-    assert out["status"] == {"trainer": [], "generator": ["weights", "kv_cache"]}
+    assert out["status"] == {"trainer": [], "generator": ["weights"]}
     assert out["untouched"] and not out["synced"]
 
 
-def discarded_weights_scenario() -> dict:
+def discarded_weights_scenario(path: str) -> dict:
     """A generator that keeps no weights across sleeps, taking turns with a trainer."""
     async def run():
         arbiter = SlotArbiter([0])
-        trainer = PolicyTrainer(model(7), prefix="trainer")
-        gen = TorchGenerator(model(8), prefix="generator", keep_weights=False)
-        before = [c.tokens for c in gen.generate(PROMPTS, GREEDY)]  # its own weights: fine
+        trainer = PolicyTrainer(net(path, seed=7), prefix="trainer")
+        gen = TorchGenerator(net(path, seed=8), prefix="generator", keep_weights=False)
+        batch = prompts(path)
+        before = [c.tokens for c in gen.generate(batch, GREEDY)]  # its own weights: fine
         await arbiter.register(0, LocalTenantHandle("trainer", trainer))
         await arbiter.register(0, LocalTenantHandle("generator", gen))  # put to sleep
         await arbiter.wake("generator")  # woken with no weights loaded since
-        out = {"before": before == [greedy_reference(model(8), p, GREEDY) for p in PROMPTS]}
-        for name, call in (("generate", lambda: gen.generate(PROMPTS, GREEDY)),
-                           ("checksum", lambda: digest(gen.named_weights()))):
+        reference = net(path, seed=8)
+        out = {"before": before == [hf_greedy(reference, p, GREEDY) for p in batch]}
+        for name, call in (("generate", lambda: gen.generate(batch, GREEDY)),
+                           ("checksum", lambda: digest(gen.weights().tensors()))):
             try:
                 call()
             except WeightsDiscardedError as err:
                 out[name] = str(err)
         await arbiter.wake("trainer")
-        trainer.step(sum_loss, torch.tensor([PROMPTS[0]]))
-        trained = [greedy_reference(trainer.model, p, GREEDY) for p in PROMPTS]
+        trainer.step(sum_loss, torch.tensor([batch[0]]))
+        trained = [hf_greedy(trainer.model, p, GREEDY) for p in batch]
         await arbiter.handoff("trainer", "generator")  # the trainer sleeps
-        out["after"] = [c.tokens for c in gen.generate(PROMPTS, GREEDY)] == trained
+        out["after"] = [c.tokens for c in gen.generate(batch, GREEDY)] == trained
         return out
 
     return asyncio.run(run())
 
 
-def test_a_generator_that_keeps_no_weights_refuses_until_synced(isolated):
-    out = isolated(discarded_weights_scenario)
+def test_a_generator_that_keeps_no_weights_refuses_until_synced(isolated, model_dirs):
+    out = isolated(discarded_weights_scenario, model_dirs["llama"])
     assert out["before"]
     assert "discarded" in out["generate"] and "sync weights" in out["generate"]
     assert "discarded" in out["checksum"]

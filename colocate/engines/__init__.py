@@ -1,12 +1,15 @@
 """Engines: the tenants an RL loop puts on shared slots.
 
-- `llama`: a small Llama-style causal LM with Hugging Face names, saved as a HF directory.
-- `tokenizer`: a character tokenizer, saved in Hugging Face format.
+- `models`: causal LMs and tokenizers from a local Hugging Face directory (transformers),
+  checked before anything is built.
+- `tiny`: tiny random Llama / Qwen2 / Qwen3 directories with a character tokenizer, made
+  offline (tests, benchmarks, the RL loop's default policy).
 - `sampling`: `SamplingParams` and `Completion`, the same for every generator engine.
-- `trainer`: `PolicyTrainer`, a policy with AdamW (and DDP) under memory tags.
-- `generator`: `TorchGenerator`, the built-in generator over a KV cache.
+- `trainer`: `PolicyTrainer`, a policy with AdamW (DDP or FSDP2) under memory tags.
+- `generator`: `TorchGenerator`, the built-in generator for any transformers causal LM.
 - `vllm_generator`, `vllm_worker`: `VLLMGenerator`, vLLM with sleep through the arena on
   CPU (a worker extension) and vLLM's own sleep mode on CUDA.
-- `weights`: weight copy by name, in-process publishing, shared-memory export.
+- `weights`: weight streams by name (bucketed), in-process publishing, shared-memory
+  export, RDMA.
 - `actors`: `TrainerActor` and `GeneratorActor`, the engines as Monarch tenants.
 """

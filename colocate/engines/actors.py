@@ -1,11 +1,11 @@
 """The engines as colocated tenants: `TrainerActor` and `GeneratorActor` on Monarch procs.
 
-Both load the same Hugging Face directory (written by `llama.save_pretrained`), so they
-start with the same weights. A trainer and a generator spawned in one resource group share
-each proc; `ResourceManager.handoff(trainer, generator)` then passes the trainer's weights
-to the generator in place (see `SlotArbiter.handoff`). Across procs of one host the
-trainer's `export_weights` and the generator's `load_exported` go through shared memory;
-across hosts, the trainer's `offer_weights` and the generator's `load_remote` go over
+Both load the same local Hugging Face directory (`models.load_model`; vLLM loads it
+itself), so they start with the same weights. A trainer and a generator spawned in one
+resource group share each proc; `ResourceManager.handoff(trainer, generator)` then passes
+the trainer's weights to the generator in place (see `SlotArbiter.handoff`). Across procs
+of one host the trainer's `export_weights` and the generator's `load_exported` go through
+shared memory; across hosts, the trainer's `offer_weights` and the generator's `load_remote` go over
 Monarch RDMA buffers.
 """
 
@@ -18,7 +18,7 @@ from monarch.actor import endpoint
 from colocate.arbiter.actor import TenantActor
 from colocate.arbiter.tenant import TenantInfo
 from colocate.engines import generator, trainer
-from colocate.engines.llama import load_pretrained
+from colocate.engines.models import load_model
 from colocate.engines.sampling import Completion, SamplingParams
 from colocate.engines.weights import (
     RemoteWeights,
@@ -35,12 +35,14 @@ ENGINES = ("torch", "vllm")
 
 
 class TrainerActor(TenantActor):
-    """A `PolicyTrainer` on one proc; `train_step(loss_fn, batch)` runs one AdamW step."""
+    """A `PolicyTrainer` on each proc of a replica; `train_step(loss_fn, batch)` runs one
+    AdamW step. `options` go to `PolicyTrainer` (parallel="ddp"|"fsdp", mixed_precision,
+    activation_checkpointing, bucket_mb...)."""
 
     stages = trainer.STAGES
 
     def __init__(self, model_dir: str, lr: float = 1e-3, **options: Any) -> None:
-        self.trainer = trainer.PolicyTrainer(load_pretrained(model_dir), lr=lr,
+        self.trainer = trainer.PolicyTrainer(load_model(model_dir), lr=lr,
                                              prefix=self.tenant_name, **options)
         self.exports = 0
         self.offered: list = []  # the tensors under the last RDMA offer, kept alive
@@ -62,22 +64,41 @@ class TrainerActor(TenantActor):
         return self.trainer.step(loss_fn, batch)
 
     @endpoint
-    def export_weights(self) -> WeightManifest:
-        """The weights, in this host's shared memory, for a generator on other procs."""
+    def export_weights(self) -> WeightManifest | None:
+        """The weights, in this host's shared memory, for a generator on other procs.
+        Call it on every rank: rank 0 writes and answers, the others answer None (an FSDP
+        rank takes part in each bucket's all-gather first)."""
         self.exports += 1
-        return export_weights(self.trainer.named_weights(), self.tenant_name, self.exports)
+        weights = self._full_weights()
+        if weights is None:
+            return None
+        return export_weights(weights, self.tenant_name, self.exports)
 
     @endpoint
-    def offer_weights(self) -> RemoteWeights:
+    def offer_weights(self) -> RemoteWeights | None:
         """The weights as RDMA buffers, for generators on other hosts (valid until the
-        next offer)."""
+        next offer). Call it on every rank, as `export_weights`."""
         self.exports += 1
-        self.offered = list(self.trainer.named_weights())
+        weights = self._full_weights()
+        if weights is None:
+            return None
+        self.offered = list(weights)
         return offer_weights(self.offered, self.exports)
+
+    def _full_weights(self):
+        """Rank 0: the full weights, bucket after bucket; other ranks: None, once they took
+        part in the gathers a sharded trainer needs."""
+        weights = self.trainer.weights().tensors()
+        if self.trainer.rank == 0:
+            return weights
+        if self.trainer.sharded:
+            for _ in weights:
+                pass
+        return None
 
     @endpoint
     def checksum(self) -> str:
-        return digest(self.trainer.named_weights())
+        return digest(self.trainer.weights().tensors())
 
 
 class GeneratorActor(TenantActor):
@@ -93,7 +114,7 @@ class GeneratorActor(TenantActor):
             raise ValueError("keep_weights is an option of the torch engine; the vLLM "
                              "engine always keeps its weights across sleeps")
         if engine == "torch":
-            self.engine = generator.TorchGenerator(load_pretrained(model_dir), max_batch,
+            self.engine = generator.TorchGenerator(load_model(model_dir), max_batch,
                                                    prefix=self.tenant_name, **options)
         else:
             from colocate.engines.vllm_generator import VLLMGenerator
@@ -133,4 +154,4 @@ class GeneratorActor(TenantActor):
 
     @endpoint
     def checksum(self) -> str:
-        return digest(self.engine.named_weights())
+        return digest(self.engine.weights().tensors())

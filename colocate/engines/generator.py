@@ -1,13 +1,15 @@
-"""The built-in generator: batched sampling from a `Llama` over a preallocated KV cache.
+"""The built-in generator: batched sampling from any transformers causal LM.
 
-Its memory is two stages of one tenant: "weights" (kept across sleeps) and "kv_cache"
-(discarded), so a wake can bring the weights back first, take new weights, and only then
-hold the cache. With `keep_weights=False` the weights are discarded too, for a generator
-whose every wake comes with new weights (an RL loop's sync): its sleep saves nothing and
-its wake restores nothing, and until new weights are loaded it refuses to generate.
+Its memory is one stage of one tenant, "weights" (kept across sleeps). With
+`keep_weights=False` they are discarded at a sleep, for a generator whose every wake
+comes with new weights (an RL loop's sync): its sleep saves nothing and its wake restores
+nothing, and until new weights are loaded it refuses to generate. The KV cache goes
+through transformers' cache API (a `DynamicCache` per batch): it lives for one batch, and
+what the allocator keeps of it goes back at the next sleep (`memory.release_cached`).
 
 Prompts are token ids, left-padded into batches of up to `max_batch` rows; every row
-samples with temperature and top-p until a stop token or `max_new_tokens`.
+samples with temperature and top-p until a stop token or `max_new_tokens`, and gets each
+token's log-probability under the distribution it was drawn from.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from colocate.arbiter.tenant import TaggedTenant, TenantInfo
-from colocate.engines.llama import KVCache, Llama
 from colocate.engines.sampling import Completion, SamplingParams
-from colocate.engines.weights import copy_weights, published
+from colocate.engines.weights import WeightStream, copy_weights, published
 
-STAGES = {"weights": True, "kv_cache": False}  # stage -> kept across a sleep
+STAGES = {"weights": True}  # stage -> kept across a sleep
 
 
 class WeightsDiscardedError(RuntimeError):
@@ -29,9 +30,10 @@ class WeightsDiscardedError(RuntimeError):
 
 
 class TorchGenerator:
-    """Generates with `model` on `device`; its memory is tagged under `prefix`."""
+    """Generates with `model` (a transformers causal LM) on `device`; its memory is tagged
+    under `prefix`."""
 
-    def __init__(self, model: Llama, max_batch: int = 64, prefix: str = "generator",
+    def __init__(self, model: torch.nn.Module, max_batch: int = 64, prefix: str = "generator",
                  device: str | torch.device | None = None, keep_weights: bool = True) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
@@ -43,8 +45,7 @@ class TorchGenerator:
         # the tensors a weight sync refills; derived buffers (rotary frequencies) stay
         # untagged: they are small, and no sync would bring them back if discarded
         self.tenancy.adopt(list(self.model.state_dict().values()), "weights")
-        with self.tenancy.region("kv_cache", device=device):
-            self.cache = KVCache.allocate(model.config, max_batch, device)
+        self.max_len = self.model.config.max_position_embeddings
         self.max_batch, self.device = max_batch, device
 
     # -- the tenant's three calls ----------------------------------------------------------
@@ -63,11 +64,12 @@ class TorchGenerator:
 
     # -- weights -----------------------------------------------------------------------------
 
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy new weights (Hugging Face names) into the model's own tensors; returns the
-        bytes copied. Every name and shape is checked before anything is written."""
+    def load_weights(self, weights: WeightStream | Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy new weights (Hugging Face names) into the model's own tensors, a bucket at a
+        time; returns the bytes copied. Every name and shape is checked before anything is
+        written."""
         self.tenancy.ensure_stage("weights")
-        copied = copy_weights(self.model, named)  # all of them, or nothing
+        copied = copy_weights(self.model, weights)  # all of them, or nothing
         self.weights_discarded = False
         return copied
 
@@ -75,10 +77,10 @@ class TorchGenerator:
         """Load the weights tenant `source` published in this process."""
         return self.load_weights(published(source))
 
-    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+    def weights(self) -> WeightStream:
         self.tenancy.ensure_stage("weights")
         self._ensure_weights()
-        return self.model.state_dict().items()
+        return WeightStream.of(self.model.state_dict().items())
 
     def _ensure_weights(self) -> None:
         if self.weights_discarded:
@@ -95,12 +97,12 @@ class TorchGenerator:
         """One completion per prompt (token ids), in order."""
         self.tenancy.ensure_awake()
         self._ensure_weights()
-        limit = self.model.config.max_seq_len
+        limit = self.max_len
         too_long = [i for i, p in enumerate(prompts) if len(p) + params.max_new_tokens > limit]
         if too_long or any(len(p) == 0 for p in prompts):
             raise ValueError(f"prompts {too_long or 'with no tokens'} do not fit: each needs "
                              f"1 <= prompt + max_new_tokens ({params.max_new_tokens}) <= "
-                             f"max_seq_len ({limit})")
+                             f"max_position_embeddings ({limit})")
         rng = torch.Generator(device=self.device)
         rng.manual_seed(params.seed if params.seed is not None else torch.seed())
         out: list[Completion] = []
@@ -110,15 +112,18 @@ class TorchGenerator:
 
     def _batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                rng: torch.Generator) -> list[Completion]:
+        from transformers import DynamicCache
+
         b, width = len(prompts), max(len(p) for p in prompts)
         tokens = torch.zeros(b, width, dtype=torch.long, device=self.device)
-        valid = torch.zeros(b, width + params.max_new_tokens, dtype=torch.bool,
-                            device=self.device)
+        mask = torch.zeros(b, width + params.max_new_tokens, dtype=torch.long,
+                           device=self.device)
         for row, prompt in enumerate(prompts):  # left padding
             tokens[row, width - len(prompt):] = torch.tensor(prompt, device=self.device)
-            valid[row, width - len(prompt):width] = True
-        positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(tokens, valid[:, :width], self.cache, 0, positions)[:, -1]
+            mask[row, width - len(prompt):width] = 1
+        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._logits(tokens, mask[:, :width], positions, cache)
         position = positions[:, -1:]
         stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
@@ -130,11 +135,18 @@ class TorchGenerator:
             done |= torch.isin(token, stops)
             if done.all() or step == params.max_new_tokens - 1:
                 break
-            valid[:, width + step] = True
+            mask[:, width + step] = 1
             position = position + 1
-            logits = self.model(token[:, None], valid[:, :width + step + 1], self.cache,
-                                width + step, position)[:, -1]
+            logits = self._logits(token[:, None], mask[:, :width + step + 1], position, cache)
         return _completions(torch.stack(sampled, 1), torch.stack(logprobs, 1), params)
+
+    def _logits(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                cache) -> torch.Tensor:
+        """The next-token logits [B, V] after `tokens`, their keys and values added to
+        `cache`; `mask` covers everything attended so far."""
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator

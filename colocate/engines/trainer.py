@@ -1,59 +1,93 @@
-"""The trainer helper: a policy, its gradients and AdamW state, all under memory tags.
+"""The trainer helper: a causal LM, its gradients and AdamW state, all under memory tags.
 
 Three stages: "weights" (parameters, kept across sleeps), "optimizer" (AdamW moments,
 kept) and "grads" (discarded: every step zeroes them first). Gradients and optimizer state
-come into being at the first step and are adopted by their tags then. When the proc was
-set up for torch.distributed (`services.distributed.setup_distributed` sets WORLD_SIZE...),
-the model trains data-parallel with DDP over gloo (CPU) or NCCL (GPU); gradients are views
-of DDP's buckets, so the buckets sleep with the "grads" stage.
+come into being at the first step and are adopted by their tags then.
+
+When the proc was set up for torch.distributed (`services.distributed.setup_distributed`
+sets WORLD_SIZE...), the model trains over gloo (CPU) or NCCL (GPU), as `parallel` says:
+
+- "ddp": DistributedDataParallel; every rank holds the whole model; gradients are views
+  of DDP's buckets, so the buckets sleep with the "grads" stage.
+- "fsdp": FSDP2, `fully_shard` on each decoder layer, then on the root; each rank holds
+  its shard of the parameters, gradients and AdamW state (DTensors), and its tags hold
+  exactly that shard. `mixed_precision=True` computes in bf16 with fp32 gradient
+  reduction (`MixedPrecisionPolicy`); the sharded parameters stay fp32.
+
+`activation_checkpointing=True` recomputes each decoder layer's activations in the backward
+pass (transformers' gradient checkpointing). `weights()` gives the full weights by Hugging
+Face name as a `WeightStream`: from an FSDP trainer, every rank must iterate it together
+(each bucket is an all-gather).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from colocate.arbiter.tenant import TaggedTenant, TenantInfo
-from colocate.engines.llama import Llama
-from colocate.engines.weights import publish
+from colocate.engines.models import decoder_layers
+from colocate.engines.weights import WeightStream, publish
 
 STAGES = {"weights": True, "optimizer": True, "grads": False}  # stage -> kept across a sleep
+PARALLEL = ("ddp", "fsdp")
+BUCKET_MB = 256  # default bound on the full tensors gathered at once from an FSDP trainer
 
 LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]
 
 
 class PolicyTrainer:
-    """Trains `model` with AdamW; its memory is tagged under `prefix`."""
+    """Trains `model` (a transformers causal LM) with AdamW; its memory is tagged under
+    `prefix`."""
 
-    def __init__(self, model: Llama, lr: float = 1e-3, weight_decay: float = 0.0,
+    def __init__(self, model: torch.nn.Module, lr: float = 1e-3, weight_decay: float = 0.0,
                  max_grad_norm: float | None = 1.0, prefix: str = "trainer",
-                 device: str | torch.device | None = None) -> None:
+                 device: str | torch.device | None = None, parallel: str = "ddp",
+                 mixed_precision: bool = False, activation_checkpointing: bool = False,
+                 bucket_mb: int = BUCKET_MB) -> None:
         if lr <= 0:
             raise ValueError(f"lr={lr}: must be > 0")
+        if parallel not in PARALLEL:
+            raise ValueError(f"parallel={parallel!r}: use one of {PARALLEL}")
+        if mixed_precision and parallel != "fsdp":
+            raise ValueError("mixed_precision=True is FSDP's MixedPrecisionPolicy: use "
+                             "parallel='fsdp' (or autocast inside your loss_fn)")
+        if bucket_mb < 1:
+            raise ValueError(f"bucket_mb={bucket_mb}: must be >= 1")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tenancy = TaggedTenant({s: f"{prefix}/{s}" for s in STAGES}, backup=STAGES)
         self.model = model.to(device).train()
-        self.tenancy.adopt(self.model, "weights")
+        if activation_checkpointing:
+            self.model.gradient_checkpointing_enable({"use_reentrant": False})
+        self.parallel = parallel if _distributed_env() else "none"
         self.module: torch.nn.Module = self.model
-        if _distributed_env():
-            if not dist.is_initialized():
-                dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-            elif dist.get_world_size() != int(os.environ["WORLD_SIZE"]):
-                raise RuntimeError(
-                    f"this process is already in a torch.distributed group of "
-                    f"{dist.get_world_size()} rank(s), not this replica's WORLD_SIZE "
-                    f"{os.environ['WORLD_SIZE']} (a vLLM generator on the same proc starts "
-                    "its own); give the trainer procs without it, or one proc")
+        if self.parallel != "none":
+            _join_group(device)
+        if self.parallel == "fsdp":
+            _shard(self.model, mixed_precision)
+        self.tenancy.adopt(self.model, "weights")
+        if self.parallel == "ddp":
             self.module = DistributedDataParallel(self.model, gradient_as_bucket_view=True)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr,
                                            weight_decay=weight_decay)
         self.max_grad_norm, self.device, self.steps = max_grad_norm, device, 0
-        publish(prefix, self.named_weights)
+        self.bucket_bytes = bucket_mb << 20
+        publish(prefix, self.weights)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if self.parallel != "none" else 0
+
+    @property
+    def sharded(self) -> bool:
+        """Whether full weights need every rank (an all-gather per bucket)."""
+        return self.parallel == "fsdp"
 
     def sleep(self, stages: list[str] | None = None) -> int:
         return self.tenancy.sleep(stages)
@@ -73,6 +107,8 @@ class PolicyTrainer:
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               self.max_grad_norm or float("inf"))
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
         self.optimizer.step()
         self.tenancy.adopt([p.grad for p in self.model.parameters() if p.grad is not None],
                            "grads")
@@ -80,11 +116,51 @@ class PolicyTrainer:
         self.steps += 1
         return {**metrics, "loss": loss.item(), "grad_norm": norm.item()}
 
-    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """The policy's tensors by Hugging Face name (what generators load)."""
+    def weights(self) -> WeightStream:
+        """The full weights by Hugging Face name, in buckets of at most `bucket_mb` (or one
+        tensor, when it is larger). From an FSDP trainer every rank iterates it together."""
         self.tenancy.ensure_stage("weights")
-        return self.model.state_dict().items()
+        state = self.model.state_dict()
+        specs = {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
+        return WeightStream(specs, lambda: self._buckets(state))
+
+    def _buckets(self, state: dict[str, torch.Tensor]
+                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        bucket, size = [], 0
+        for name, tensor in state.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > self.bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            bucket.append((name, full.detach()))
+            size += nbytes
+        if bucket:
+            yield bucket
 
 
 def _distributed_env() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _join_group(device: torch.device) -> None:
+    """This replica's torch.distributed group: made here, or checked when it exists."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    elif dist.get_world_size() != int(os.environ["WORLD_SIZE"]):
+        raise RuntimeError(
+            f"this process is already in a torch.distributed group of "
+            f"{dist.get_world_size()} rank(s), not this replica's WORLD_SIZE "
+            f"{os.environ['WORLD_SIZE']} (a vLLM generator on the same proc starts "
+            "its own); give the trainer procs without it, or one proc")
+
+
+def _shard(model: torch.nn.Module, mixed_precision: bool) -> None:
+    """FSDP2: each decoder layer its own unit, then the root (embeddings, norm, head)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if mixed_precision else MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)

@@ -42,6 +42,7 @@ import vllm
 from colocate import memory, telemetry
 from colocate.arbiter.tenant import TenantInfo
 from colocate.engines.sampling import Completion, SamplingParams
+from colocate.engines.weights import WeightStream
 
 STAGES = ("weights", "kv_cache")  # wake order
 WORKER = "colocate.engines.vllm_worker.ColocateWorker"
@@ -125,19 +126,20 @@ class VLLMGenerator:
 
     # -- weights ---------------------------------------------------------------------------
 
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_weights(self, weights: WeightStream | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Write new weights (every Hugging Face name) into the running engine's own
         tensors, no disk involved; returns the bytes written. Needs "weights" awake."""
         self._ensure_awake(("weights",), "load_weights")
+        named = weights.tensors() if isinstance(weights, WeightStream) else weights
         written = self._rpc("colocate_load_weights", list(named))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         return written
 
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+    def weights(self) -> WeightStream:
         """The engine's weights by Hugging Face names (views of the live tensors when the
         worker is in this process)."""
-        self._ensure_awake(("weights",), "named_weights")
-        return self._rpc("colocate_named_weights")
+        self._ensure_awake(("weights",), "weights")
+        return WeightStream.of(self._rpc("colocate_named_weights"))
 
     # -- generation ------------------------------------------------------------------------
 

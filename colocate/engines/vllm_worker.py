@@ -32,6 +32,7 @@ import vllm.model_executor.layers.utils as vllm_layer_utils
 from torch import nn
 
 from colocate import memory
+from colocate.engines.weights import check_weights
 from colocate.memory.storages import collect
 
 BACKUP = {"weights": True, "kv_cache": False}  # stage -> contents kept across a sleep
@@ -48,7 +49,8 @@ vllm_layer_utils.dispatch_cpu_unquantized_gemm = _keep_linear_weight
 def hf_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """`model`'s parameters by Hugging Face names, as views: fused modules split into
     their parts (`qkv_proj` -> `q_proj`, `k_proj`, `v_proj`), vocabulary rows without
-    vLLM's padding (to a multiple of 64)."""
+    vLLM's padding (to a multiple of 64), and tied embeddings also as `lm_head.weight`
+    (as transformers' state_dict names them)."""
     packed = getattr(model, "packed_modules_mapping", {})
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
@@ -63,6 +65,16 @@ def hf_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, param.data[:module.org_vocab_size]
         else:
             yield name, param.data
+    if _ties_embeddings(model):
+        embed = modules["model.embed_tokens"]
+        yield "lm_head.weight", embed.weight.data[:embed.org_vocab_size]
+
+
+def _ties_embeddings(model: nn.Module) -> bool:
+    modules = dict(model.named_modules())
+    head, embed = modules.get("lm_head"), modules.get("model.embed_tokens")
+    return head is not None and embed is not None and \
+        getattr(head, "weight", None) is getattr(embed, "weight", False)
 
 
 class ColocateWorker:
@@ -117,13 +129,9 @@ class ColocateWorker:
         model = self.model_runner.model
         own = {name: tuple(t.shape) for name, t in hf_named_weights(model)}
         given = dict(named)
-        missing, unknown = sorted(own.keys() - given.keys()), sorted(given.keys() - own.keys())
-        wrong = [f"{n}: {tuple(given[n].shape)} != {own[n]}"
-                 for n in own.keys() & given.keys() if tuple(given[n].shape) != own[n]]
-        if missing or unknown or wrong:
-            raise ValueError(f"weights do not match the vLLM model (nothing was written): "
-                             f"missing {missing[:5]}, unknown {unknown[:5]}, "
-                             f"wrong shapes {wrong[:5]}")
+        check_weights(own, {n: tuple(t.shape) for n, t in given.items()}, "the vLLM model")
+        if _ties_embeddings(model):  # the head is the embedding: loaded under that name
+            given.pop("lm_head.weight")
         with torch.no_grad():
             model.load_weights(given.items())
         return sum(t.numel() * t.element_size() for t in given.values())

@@ -1,8 +1,10 @@
 """Moving weights between engines: by name into a model's own tensors, through shared
 memory between processes of one host, and over Monarch RDMA buffers between hosts.
 
-Weights travel as `(name, tensor)` pairs with Hugging Face names. `copy_weights` writes
-them into a model's existing tensors (no new memory, addresses unchanged). Between
+Weights travel as `(name, tensor)` pairs with Hugging Face names, or as a `WeightStream`:
+every name's shape known first, the tensors a bucket at a time (a sharded trainer gathers
+them bucket by bucket). `copy_weights` writes them into a model's existing tensors (no new
+memory, addresses unchanged), after checking every name and shape. Between
 processes, `export_weights` writes them into one file under /dev/shm, in place over the
 last export, and returns a small `WeightManifest` (what a message carries);
 `read_exported` hands views of that file to a loader, so the reader copies straight from
@@ -21,7 +23,7 @@ import atexit
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,7 +33,7 @@ from torch import nn
 
 ALIGN = 64
 T = TypeVar("T")
-WeightSource = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+WeightSource = Callable[[], "WeightStream"]
 _published: dict[str, WeightSource] = {}
 
 
@@ -41,7 +43,7 @@ def publish(name: str, source: WeightSource) -> None:
     _published[name] = source
 
 
-def published(name: str) -> Iterable[tuple[str, torch.Tensor]]:
+def published(name: str) -> WeightStream:
     """The weights tenant `name` published in this process."""
     if name not in _published:
         raise LookupError(f"no tenant {name!r} published weights in process {os.getpid()} "
@@ -50,24 +52,55 @@ def published(name: str) -> Iterable[tuple[str, torch.Tensor]]:
     return _published[name]()
 
 
-def copy_weights(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy every `(name, tensor)` into `model`'s tensor of that name; returns the bytes.
+@dataclass(frozen=True)
+class WeightStream:
+    """Weights by Hugging Face name, a bucket at a time: every name's shape and dtype known
+    up front (`specs`), the tensors made only as `buckets()` is iterated. A sharded
+    trainer gathers each bucket when it is asked for, so no more than one bucket of full
+    tensors exists at once."""
 
-    All names and shapes are checked first, so a bad set writes nothing. Every tensor of
-    the model must be given.
-    """
-    own = model.state_dict()
-    given = dict(named)
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    buckets: Callable[[], Iterator[list[tuple[str, torch.Tensor]]]]
+
+    @classmethod
+    def of(cls, named: Iterable[tuple[str, torch.Tensor]]) -> WeightStream:
+        """A stream of one bucket over tensors that already exist."""
+        pairs = list(named)
+        return cls({name: (tuple(t.shape), t.dtype) for name, t in pairs}, lambda: iter([pairs]))
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every (name, tensor), bucket after bucket."""
+        for bucket in self.buckets():
+            yield from bucket
+
+
+def check_weights(own: dict[str, tuple[int, ...]], given: dict[str, tuple[int, ...]],
+                  target: str) -> None:
+    """Raise `ValueError` naming every missing, unknown and mis-shaped tensor of `given`
+    against `own` (name -> shape); nothing has been written when it raises."""
     missing, unknown = sorted(own.keys() - given.keys()), sorted(given.keys() - own.keys())
-    wrong = [f"{n}: {tuple(given[n].shape)} != {tuple(own[n].shape)}"
-             for n in own.keys() & given.keys() if given[n].shape != own[n].shape]
+    wrong = [f"{n}: {given[n]} != {own[n]}" for n in sorted(own.keys() & given.keys())
+             if tuple(given[n]) != tuple(own[n])]
     if missing or unknown or wrong:
-        raise ValueError(f"weights do not match the model (nothing was copied): missing "
+        raise ValueError(f"weights do not match {target} (nothing was written): missing "
                          f"{missing[:5]}, unknown {unknown[:5]}, wrong shapes {wrong[:5]}")
+
+
+def copy_weights(model: nn.Module, weights: WeightStream | Iterable[tuple[str, torch.Tensor]]
+                 ) -> int:
+    """Copy every weight into `model`'s tensor of that name, a bucket at a time; returns the
+    bytes. All names and shapes are checked first, so a bad set writes nothing. Every
+    tensor of the model must be given."""
+    stream = weights if isinstance(weights, WeightStream) else WeightStream.of(weights)
+    own = model.state_dict()
+    check_weights({n: tuple(t.shape) for n, t in own.items()},
+                  {n: shape for n, (shape, _) in stream.specs.items()}, "the model")
+    copied = 0
     with torch.no_grad():
-        for name, tensor in given.items():
+        for name, tensor in stream.tensors():
             own[name].copy_(tensor)
-    return sum(t.numel() * t.element_size() for t in given.values())
+            copied += tensor.numel() * tensor.element_size()
+    return copied
 
 
 def digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -1,6 +1,7 @@
 """Find the tensor storages that belong to a tag.
 
-`collect()` walks tensors, modules, optimizers and containers of them; `Capture` is a
+`collect()` walks tensors, modules, optimizers and containers of them (a DTensor counts as
+its local shard); `Capture` is a
 dispatch mode that records the storages allocated while it is active (what `region()`
 gives its tag). Storages are tracked by weak reference, so tracking never keeps memory
 alive.
@@ -12,6 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -19,11 +21,16 @@ from torch.utils._pytree import tree_flatten
 from colocate.memory.repoint import Held
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds memory: a DTensor's (FSDP's sharded parameters) local shard."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
-        yield obj
+        yield _local(obj)
         if obj.grad is not None:
-            yield obj.grad
+            yield _local(obj.grad)
     elif isinstance(obj, torch.nn.Module):
         yield from _tensors(list(obj.parameters()))
         yield from obj.buffers()

@@ -21,11 +21,11 @@ from tqdm import tqdm
 
 from colocate import init, phase
 from colocate.engines.actors import GeneratorActor, TrainerActor
-from colocate.engines.llama import Llama, LlamaConfig, save_pretrained
+from colocate.engines.models import load_tokenizer
 from colocate.engines.sampling import SamplingParams
-from colocate.engines.tokenizer import CharTokenizer
+from colocate.engines.tiny import write_tiny_model
 from examples.rl_loop import task
-from examples.rl_loop.config import RLConfig
+from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.grpo import group_advantages
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.rollouts import GRPOLoss, make_batch
@@ -35,15 +35,16 @@ from services.replica import Health, Replica
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def write_model(cfg: RLConfig, tokenizer: CharTokenizer, out: Path) -> Path:
-    """The initial policy as a Hugging Face directory both engines load."""
-    model = cfg.model
-    torch.manual_seed(model.seed)
-    config = LlamaConfig(vocab_size=tokenizer.vocab_size, dim=model.dim,
-                         n_layers=model.n_layers, n_heads=model.n_heads,
-                         n_kv_heads=model.n_kv_heads, hidden_dim=model.hidden_dim,
-                         max_seq_len=model.max_seq_len)
-    return save_pretrained(Llama(config), out / "model", tokenizer)
+def model_dir(cfg: RLConfig, out: Path) -> Path:
+    """The initial policy's Hugging Face directory, which every engine loads: `model.path`,
+    or a tiny random model over the task's characters written under `out`."""
+    m = cfg.model
+    if m.path is not None:
+        return Path(m.path)
+    return write_tiny_model(out / "model", m.architecture, alphabet=task.ALPHABET,
+                            hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
+                            kv_heads=m.kv_heads, intermediate_size=m.intermediate_size,
+                            max_positions=m.max_positions, init_std=m.init_std, seed=m.seed)
 
 
 async def resident(service: Service) -> int:
@@ -64,18 +65,24 @@ class Loop:
     def __init__(self, cfg: RLConfig) -> None:
         self.cfg = cfg
         self.out = Path(cfg.run.out)
-        self.tokenizer = CharTokenizer(task.ALPHABET)
+        # transformers' per-load progress bars (here and in the procs) would bury the loop's
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        self.model_dir = model_dir(cfg, self.out)
+        self.tokenizer = load_tokenizer(self.model_dir)  # checks the directory first
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.tokenizer.eos_token_id
         self.rng = random.Random(cfg.run.seed)
-        self.record = RunRecord()
+        self.record = RunRecord(config=as_dict(cfg))
         self.bar: tqdm | None = None
         self.training = asyncio.Lock()  # held from a train step through its weight sync
         self.resyncs = 0  # generator replicas given the weights after a respawn
         self.postfix: dict[str, str] = {}  # the progress bar's reward, eval and phase
         self.sampling = SamplingParams(max_new_tokens=cfg.task.max_new_tokens,
                                        temperature=cfg.grpo.temperature,
-                                       stop_token_ids=(self.tokenizer.eos_id,))
+                                       stop_token_ids=(self.tokenizer.eos_token_id,))
         self.greedy = SamplingParams(max_new_tokens=cfg.task.max_new_tokens, temperature=0,
-                                     stop_token_ids=(self.tokenizer.eos_id,))
+                                     stop_token_ids=(self.tokenizer.eos_token_id,))
 
     async def start(self) -> None:
         run = self.cfg.run
@@ -84,7 +91,7 @@ class Loop:
             p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         # vLLM logs each weight load at INFO, once a step, over the progress bar
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        model_dir = str(write_model(self.cfg, self.tokenizer, self.out))
+        model_dir = str(self.model_dir)
         slots = run.slots if run.colocate else 2 * run.slots
         self.rm = await init("local", gpus_per_host=slots)
         groups = ("rl", "rl") if run.colocate else ("train", "generate")
@@ -93,7 +100,8 @@ class Loop:
         self.trainer = await spawn_service(
             ServiceConfig(procs_per_host=run.slots, resource_group=groups[0], respawn=False),
             TrainerActor, model_dir, lr=self.cfg.grpo.lr,
-            max_grad_norm=self.cfg.grpo.max_grad_norm, name="trainer")
+            max_grad_norm=self.cfg.grpo.max_grad_norm, name="trainer",
+            **vars(self.cfg.trainer))
         # every wake of the generator comes with the trainer's weights (a sync), so the
         # built-in engine need not keep its own across sleeps
         options = {"keep_weights": False} if run.engine == "torch" else {}
@@ -125,7 +133,7 @@ class Loop:
     async def generate(self, prompts: list[str], params: SamplingParams, copies: int
                        ) -> tuple[list[list[int]], list]:
         """`copies` completions per prompt, spread over the generator's replicas."""
-        tokens = [self.tokenizer.encode(p) for p in prompts for _ in range(copies)]
+        tokens = [self.encode(p) for p in prompts for _ in range(copies)]
         chunks = max(1, len(self.generator.replicas))
         size = -(-len(tokens) // chunks)
         parts = await asyncio.gather(*(
@@ -133,10 +141,18 @@ class Loop:
             for i in range(0, len(tokens), size)))
         return tokens, [c for part in parts for c in part]
 
+    def encode(self, text: str) -> list[int]:
+        """A prompt's token ids, with the special tokens the model's tokenizer adds."""
+        return self.tokenizer(text).input_ids
+
+    def decode(self, tokens: list[int]) -> str:
+        """A completion's text, without special tokens (the stop token among them)."""
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
     async def evaluate(self) -> float:
         prompts = task.eval_prompts(self.cfg.task)
         _, completions = await self.generate(prompts, self.greedy, 1)
-        rewards = [task.reward(p, self.tokenizer.decode(c.tokens))
+        rewards = [task.reward(p, self.decode(c.tokens))
                    for p, c in zip(prompts, completions, strict=True)]
         return sum(rewards) / len(rewards)
 
@@ -154,11 +170,11 @@ class Loop:
                                                       cfg.grpo.group_size)
         generated = clock()
         texts = [p for p in prompts for _ in range(cfg.grpo.group_size)]
-        rewards = torch.tensor([task.reward(p, self.tokenizer.decode(c.tokens))
+        rewards = torch.tensor([task.reward(p, self.decode(c.tokens))
                                 for p, c in zip(texts, completions, strict=True)])
         advantages = group_advantages(rewards, cfg.grpo.group_size, cfg.grpo.scale_by_std,
                                       cfg.grpo.eps)
-        batch = make_batch(tokens, completions, advantages, self.tokenizer.pad_id)
+        batch = make_batch(tokens, completions, advantages, self.pad_id)
         scored = clock()
         async with self.training:
             async with phase(self.trainer):

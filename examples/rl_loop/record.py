@@ -22,6 +22,7 @@ class RunRecord:
     steps: list[dict[str, Any]] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)  # t, tenant, bytes
     phases: list[tuple[float, str]] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved configuration
     start: float = field(default_factory=time.monotonic)
 
     def now(self) -> float:
@@ -36,8 +37,8 @@ class RunRecord:
     def write(self, out: Path, summary: dict[str, Any]) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.json").write_text(json.dumps(
-            {"summary": summary, "steps": self.steps, "memory": self.memory,
-             "phases": self.phases}, indent=2))
+            {"config": self.config, "summary": summary, "steps": self.steps,
+             "memory": self.memory, "phases": self.phases}, indent=2))
         self._plot_reward(out / "reward.png")
         self._plot_memory(out / "memory.png")
 

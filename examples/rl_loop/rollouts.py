@@ -44,7 +44,8 @@ class GRPOLoss:
         if dist.is_initialized():
             rows = slice(dist.get_rank(), None, dist.get_world_size())
             batch = {key: value[rows] for key, value in batch.items()}
-        logits = module(batch["input_ids"], batch["valid"])
+        logits = module(input_ids=batch["input_ids"],
+                        attention_mask=batch["valid"].long()).logits
         logprobs = token_logprobs(logits, batch["targets"], batch["mask"],
                                   self.config.temperature)
         return grpo_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch["mask"],

@@ -8,8 +8,8 @@ The reward is verifiable and gives partial credit: the answer positions the comp
 right, divided by the longer of the answer and the completion, so a random policy already
 gets a learnable signal, too long or too short completions lose credit, and the exact answer
 alone scores 1.0. The held-out evaluation set is fixed by its seed and never sampled for
-training. Token ids come from `colocate.engines.tokenizer.CharTokenizer(ALPHABET)`, which
-adds the pad, bos and eos tokens.
+training. Prompts and completions are text: the loop encodes and decodes them with the
+model's own tokenizer (the default model's is a character tokenizer over ALPHABET).
 """
 
 from __future__ import annotations
