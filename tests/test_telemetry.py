@@ -108,6 +108,13 @@ def test_gpu_readings_say_they_are_device_wide(monkeypatch):
     reading = readings.read_gpu_uuid(uuid)
     assert (reading.used_bytes, reading.total_bytes, reading.scope) == (5, 9, "device")
     assert read_cpu().scope == "process"
+    # a pid's share where NVML lists it; device-wide where it does not
+    nvml.NVMLError = RuntimeError
+    nvml.nvmlDeviceGetComputeRunningProcesses = \
+        lambda h: [SimpleNamespace(pid=7, usedGpuMemory=3)]
+    mine = readings.read_gpu_uuid_process("GPU-" + uuid, pid=7)
+    assert (mine.used_bytes, mine.total_bytes, mine.scope) == (3, 9, "process")
+    assert readings.read_gpu_uuid_process(uuid, pid=8).scope == "device"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and NVML")

@@ -18,6 +18,7 @@ from colocate.telemetry.readings import (
     read_gpu,
     read_gpu_process,
     read_gpu_uuid,
+    read_gpu_uuid_process,
     read_pid,
 )
 from colocate.telemetry.timeline import SwitchEvent, Timeline, timeline
@@ -39,6 +40,7 @@ __all__ = [
     "read_gpu",
     "read_gpu_process",
     "read_gpu_uuid",
+    "read_gpu_uuid_process",
     "read_pid",
     "timeline",
 ]

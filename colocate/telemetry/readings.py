@@ -176,13 +176,21 @@ def read_gpu_process(index: int = 0, pid: int | None = None) -> MemoryReading:
     """This process's (or `pid`'s) memory on torch's cuda:<index> (`scope="process"`), from
     NVML's per-process accounting; the device-wide reading (`scope="device"`) where NVML
     does not give it (see `process_share`)."""
-    uuid = device_uuid(index)
-    reading = read_gpu_uuid(uuid, label=f"cuda:{index}")
+    return read_gpu_uuid_process(device_uuid(index), os.getpid() if pid is None else pid,
+                                 label=f"cuda:{index}")
+
+
+def read_gpu_uuid_process(uuid: str, pid: int, label: str | None = None) -> MemoryReading:
+    """`pid`'s memory on the GPU with this UUID (`scope="process"`), or the device-wide
+    reading (`scope="device"`) where NVML does not give it; from any process of the host
+    (how an arbiter can measure a tenant's release without counting other processes)."""
+    reading = read_gpu_uuid(uuid, label=label)
     try:
-        entries = _nvml.nvmlDeviceGetComputeRunningProcesses(_handle(uuid))
+        entries = _nvml.nvmlDeviceGetComputeRunningProcesses(
+            _handle(uuid.removeprefix("GPU-").removeprefix("MIG-")))
     except _nvml.NVMLError:
         return reading
-    share = process_share(entries, os.getpid() if pid is None else pid)
+    share = process_share(entries, pid)
     if share is None:
         return reading
     return MemoryReading(reading.device, share, time.time(), total_bytes=reading.total_bytes,
