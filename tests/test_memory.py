@@ -445,7 +445,11 @@ def test_preload_env_puts_torchs_cuda_libraries_on_the_library_path(tmp_path):
 
 
 def test_preload_mode_is_refused_when_cudamalloc_is_not_the_hook():
-    from colocate.memory.cuda import check_preload_hook
+    from colocate.memory.cuda import check_preload_hook, symbol_owner
+
+    # the lookup that finds cudaMalloc's library, on a symbol this process has
+    assert os.path.basename(symbol_owner("malloc")).startswith("libc.so")
+    assert symbol_owner("no_such_symbol_anywhere") is None
 
     hook = "/site/torch_memory_saver_hook_mode_preload_cu13.abi3.so"
     check_preload_hook(hook)

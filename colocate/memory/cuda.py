@@ -114,19 +114,27 @@ class _DlInfo(ctypes.Structure):
                 ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
 
 
-def cuda_malloc_owner() -> str | None:
-    """The file of the library whose `cudaMalloc` this process's global symbol lookup finds
-    (the one torch's calls reach), or None when no loaded library defines it."""
+def symbol_owner(name: str) -> str | None:
+    """The file of the library whose `name` this process's global symbol lookup finds (the
+    one calls from other libraries reach), or None when no loaded library defines it."""
     try:
-        address = ctypes.cast(ctypes.CDLL(None).cudaMalloc, ctypes.c_void_p).value
+        address = ctypes.cast(getattr(ctypes.CDLL(None), name), ctypes.c_void_p).value
     except AttributeError:
         return None
     info = _DlInfo()
-    libc = ctypes.CDLL(None)
-    libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
-    if not libc.dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+    try:
+        dladdr = ctypes.CDLL(None).dladdr
+    except AttributeError:  # glibc < 2.34 keeps it in libdl
+        dladdr = ctypes.CDLL("libdl.so.2").dladdr
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    if not dladdr(address, ctypes.byref(info)) or not info.dli_fname:
         return None
     return os.fsdecode(info.dli_fname)
+
+
+def cuda_malloc_owner() -> str | None:
+    """The library whose cudaMalloc torch's calls reach: the hook's in "preload" mode."""
+    return symbol_owner("cudaMalloc")
 
 
 def check_preload_hook(owner: str | None) -> None:
