@@ -160,7 +160,7 @@ def resume_without_room_on_gpu() -> dict:
         big = torch.full((1024 * MiB // 4,), 5, dtype=torch.int32, device="cuda")
     memory.pause("big")
     free = torch.cuda.mem_get_info()[0]
-    filler = torch.empty(free - 512 * MiB, dtype=torch.uint8, device="cuda")  # 0.5 GiB left
+    filler = torch.empty(free - 768 * MiB, dtype=torch.uint8, device="cuda")  # < 1 GiB left
     out = {}
     try:
         memory.resume("big")  # torch_memory_saver alone would exit(1) here
