@@ -235,3 +235,272 @@ def test_cuda_setup_errors_name_the_fix(monkeypatch):
     env = memory.preload_env({})
     assert os.path.exists(env["LD_PRELOAD"]) and hook_mode(env) == "preload"
     assert hook_mode({}) == "torch"
+
+
+# -- torch 2.11: adopt without UntypedStorage._swap_data_ptr_ ----------------------------
+
+class _Absent:
+    """Makes `_swap_data_ptr_` absent, as on torch 2.11 (hasattr is False, a call fails)."""
+
+    def __get__(self, obj, cls):
+        raise AttributeError("'UntypedStorage' object has no attribute '_swap_data_ptr_'")
+
+
+def _as_on_torch_2_11() -> None:
+    torch.UntypedStorage._swap_data_ptr_ = _Absent()
+    assert not hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def adopt_without_swap_scenario() -> dict:
+    from colocate.memory import repoint
+
+    _as_on_torch_2_11()
+    out = {"mode": repoint.mode()}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
+    ref = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
+    ref.load_state_dict(model.state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, ref)]
+
+    def step(m, opt, seed):
+        g = torch.Generator().manual_seed(seed)
+        loss = m(torch.randn(4, 512, generator=g)).pow(2).mean()
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    for m, opt in zip((model, ref), opts, strict=True):
+        step(m, opt, 0)
+    # a view that only autograd holds (linear's transposed weight, saved for a backward and
+    # never a Python object) would keep the old memory
+    scratch = torch.ones(1024)
+    pending = torch.nn.functional.linear(torch.ones(2, 32, requires_grad=True),
+                                         scratch.view(32, 32)).sum()
+    try:
+        memory.adopt(scratch, "scratch")
+    except memory.TagConflictError as err:
+        out["hidden_view_refused"] = "autograd" in str(err)
+    out["nothing_adopted"] = "scratch" not in memory.tags() or \
+        memory.tagged_bytes("scratch") == 0
+    del pending
+    # detached copies (state_dict() values, as the engines adopt) bring the parameters along
+    ptr = model[0].weight.data_ptr()
+    adopted = memory.adopt(list(model.state_dict().values()), "policy", backup=True)
+    adopted += memory.adopt([model, opts[0]], "policy", backup=True)
+    out["adopted_all"] = adopted == memory.tagged_bytes("policy") > 3 * 512 * 512 * 4
+    out["moved"] = model[0].weight.data_ptr() != ptr  # the parameter itself follows
+    ptr = model[0].weight.data_ptr()
+    before = _rss()
+    memory.pause("policy")
+    out["released"] = before - _rss()
+    out["expected"] = adopted
+    memory.resume("policy")
+    out["same_ptr"] = model[0].weight.data_ptr() == ptr
+    out["trains_on"] = [step(model, opts[0], s) for s in range(1, 4)] == \
+        [step(ref, opts[1], s) for s in range(1, 4)]
+    try:
+        with memory.region("built", device="cpu"):
+            pass
+    except memory.TaggedMemoryError as err:
+        out["region_refused"] = "adopt" in str(err) and "2.12" in str(err)
+    return out
+
+
+def test_adopt_works_on_a_torch_without_swap_data_ptr(isolated):
+    out = isolated(adopt_without_swap_scenario)
+    assert out["mode"] == "set"
+    assert out["hidden_view_refused"] and out["nothing_adopted"], out
+    assert out["adopted_all"] and out["moved"], out
+    assert out["released"] >= 0.9 * out["expected"], out
+    assert out["same_ptr"] and out["trains_on"], out
+    assert out["region_refused"], out
+
+
+def test_forced_set_mode_keeps_contents_and_addresses_across_cycles(isolated):
+    out = isolated(two_tenants_scenario, env={"COLOCATE_REPOINT": "set"})
+    assert out["trainer_released"] >= 0.95 * 256 * MiB
+    assert out["trainer_identical"] and out["trainer_same_ptr"]
+    assert out["generator_released"] >= 0.95 * 256 * MiB
+    assert out["generator_zeroed"] and out["generator_usable"] == 7
+
+
+# -- a pause while a region of the tag is open ---------------------------------------------
+
+def test_pause_is_refused_while_a_region_of_the_tag_is_open_in_another_thread():
+    import threading
+
+    opened, finish = threading.Event(), threading.Event()
+
+    def fill():
+        with memory.region("filling", device="cpu"):
+            opened.set()
+            finish.wait(10)
+            fill.tensor = torch.ones(1024)
+
+    worker = threading.Thread(target=fill, name="filler")
+    worker.start()
+    assert opened.wait(10)
+    try:
+        with pytest.raises(memory.TagStateError, match="region open in thread.*filler"):
+            memory.pause("filling")
+        assert memory.state("filling") is memory.TagState.ACTIVE
+    finally:
+        finish.set()
+        worker.join(10)
+    assert memory.tagged_bytes("filling") == 4096
+    memory.pause("filling")  # once the region ended
+    assert memory.resident_bytes("filling") == 0
+    memory.resume("filling")
+
+
+def test_pause_is_refused_inside_the_tags_own_region():
+    with memory.region("self-pausing", device="cpu"):
+        keep = torch.ones(1024)
+        with pytest.raises(memory.TagStateError, match="region open"):
+            memory.pause("self-pausing")
+    memory.pause("self-pausing")
+    memory.resume("self-pausing")
+    assert keep.numel() == 1024
+
+
+# -- CUDA decisions, each tested with the one CUDA fact injected -------------------------
+
+def test_expandable_segments_are_refused_in_either_variable():
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        for conf in ("expandable_segments:True",
+                     "max_split_size_mb:128, expandable_segments: true"):
+            with pytest.raises(memory.CudaSetupError, match=name):
+                memory.check_allocator_conf({name: conf})
+        memory.check_allocator_conf({name: "expandable_segments:False"})
+
+
+class _Pool:
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def snapshot(self):
+        return [{"total_size": size} for size in self.sizes]
+
+
+class _Saver:
+    """Stands in for torch_memory_saver, whose resume would exit(1) out of memory."""
+
+    def __init__(self, pools):
+        self._impl = type("Impl", (), {"_mem_pools": pools})()
+        self.resumed = []
+
+    def resume(self, tag):
+        self.resumed.append(tag)
+
+
+def _cuda_backend(saver, free_bytes):
+    from colocate.memory.cuda import CudaBackend
+
+    backend = object.__new__(CudaBackend)  # no CUDA here: only the resume decision runs
+    backend.saver, backend.free_bytes = saver, lambda device: free_bytes
+    return backend
+
+
+def test_a_resume_that_does_not_fit_raises_instead_of_reaching_torch_memory_saver():
+    from colocate.memory.cuda import RESUME_HEADROOM_BYTES
+
+    pools = {("kv", False, False, "", 0): _Pool([512 * MiB, 512 * MiB]),
+             ("other", False, False, "", 0): _Pool([4096 * MiB])}
+    saver = _Saver(pools)
+    # the live tensors hold 100 MiB, the tag's pool segments 1 GiB: 1 GiB must be free
+    short = _cuda_backend(saver, 1024 * MiB)
+    with pytest.raises(memory.ResumeOutOfMemoryError, match=r"1024 MiB on cuda:0.*stays paused"):
+        short.resume("kv", 100 * MiB, 0)
+    assert saver.resumed == []
+    _cuda_backend(saver, 1024 * MiB + RESUME_HEADROOM_BYTES).resume("kv", 100 * MiB, 0)
+    assert saver.resumed == ["kv"]
+    # without readable pools the live bytes count
+    _cuda_backend(_Saver(None), 100 * MiB + RESUME_HEADROOM_BYTES).resume("kv", 100 * MiB, 0)
+
+
+def test_cuda_memory_off_the_current_device_is_refused():
+    from colocate.memory.registry import check_cuda_device
+
+    check_cuda_device("t", torch.device("cuda", 1), current=1, tag_index=None)
+    with pytest.raises(memory.TagConflictError, match=r"set_device\(1\)"):
+        check_cuda_device("t", torch.device("cuda", 1), current=0, tag_index=None)
+    with pytest.raises(memory.TagConflictError, match="one tag per device"):
+        check_cuda_device("t", torch.device("cuda", 1), current=1, tag_index=0)
+    check_cuda_device("t", torch.device("cpu"), current=0, tag_index=0)
+
+
+def test_preload_env_puts_torchs_cuda_libraries_on_the_library_path(tmp_path):
+    from colocate.memory.cuda import cuda_library_dirs
+
+    for name in ("cu13", "cuda_runtime", "cublas"):
+        (tmp_path / "nvidia" / name / "lib").mkdir(parents=True)
+    (tmp_path / "nvidia" / "nccl" / "lib").mkdir(parents=True)
+    dirs = cuda_library_dirs(tmp_path)
+    assert [d.split("/")[-2] for d in dirs] == ["cu13", "cublas", "cuda_runtime"]
+    env = memory.preload_env({"LD_LIBRARY_PATH": f"/opt/x:{dirs[0]}", "LD_PRELOAD": "/a.so"},
+                             library_dirs=dirs)
+    assert env["LD_LIBRARY_PATH"] == ":".join([*dirs, "/opt/x"])
+    assert env["LD_PRELOAD"].endswith(":/a.so") and "torch_memory_saver" in env["LD_PRELOAD"]
+
+
+def test_preload_mode_is_refused_when_cudamalloc_is_not_the_hook():
+    from colocate.memory.cuda import check_preload_hook, symbol_owner
+
+    # the lookup that finds cudaMalloc's library, on a symbol this process has
+    assert os.path.basename(symbol_owner("malloc")).startswith("libc.so")
+    assert symbol_owner("no_such_symbol_anywhere") is None
+
+    hook = "/site/torch_memory_saver_hook_mode_preload_cu13.abi3.so"
+    check_preload_hook(hook)
+    for owner in ("/site/nvidia/cu13/lib/libcudart.so.13", None):
+        with pytest.raises(memory.CudaSetupError, match="preload_env"):
+            check_preload_hook(owner)
+
+
+def preload_hook_scenario() -> dict:
+    from colocate.memory.cuda import check_preload_hook, cuda_malloc_owner, hook_mode
+
+    with open("/proc/self/maps") as maps:
+        out = {"mapped": "torch_memory_saver_hook_mode_preload" in maps.read(),
+               "mode": hook_mode(os.environ), "owner": cuda_malloc_owner()}
+    try:
+        check_preload_hook(out["owner"])
+    except memory.CudaSetupError as err:
+        out["refused"] = str(err)
+    return out
+
+
+def test_preload_mode_is_refused_when_the_loader_skipped_the_hook(isolated):
+    # The loader only warns ("cannot be preloaded: ignored") when LD_PRELOAD names a file it
+    # cannot open (a path from another host's layout, say); the process starts unhooked.
+    # (A hook whose libcudart or libcuda is missing fails the start instead, status 127.)
+    missing = "/nonexistent/torch_memory_saver_hook_mode_preload_cu13.abi3.so"
+    out = isolated(preload_hook_scenario,
+                   env={"LD_PRELOAD": missing, "COLOCATE_TMS_HOOK_MODE": "preload"})
+    assert out["mode"] == "preload" and not out["mapped"], out  # the env check is fooled
+    assert "cudaMalloc is defined by no loaded library" in out["refused"], out
+
+
+def test_pools_kept_alive_at_exit_are_never_finalized(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys
+        from colocate.memory.cuda import keep_alive_at_exit
+
+        class Pool:  # stands in for torch's MemPool, whose destructor frees through TMS
+            def __del__(self):
+                print("finalized", flush=True)
+
+        pools = {"tag": Pool()}
+        if sys.argv[1] == "keep":
+            keep_alive_at_exit(lambda: list(pools.values()))
+    """)
+    runs = {how: subprocess.run([sys.executable, "-c", script, how], capture_output=True,
+                                text=True, timeout=120, env={**os.environ})
+            for how in ("keep", "plain")}
+    assert runs["plain"].stdout.strip() == "finalized"  # what happens to TMS's pools today
+    assert runs["keep"].returncode == 0 and runs["keep"].stdout == "", runs["keep"]

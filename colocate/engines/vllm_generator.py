@@ -90,6 +90,13 @@ class VLLMGenerator:
 
         paused = [tag for tag in self._tags
                   if tag in memory.tags() and memory.state(tag) is memory.TagState.PAUSED]
+        if isinstance(self._stages, NativeSleep):
+            # vLLM's CuMemAllocator frees a tensor by unmapping its memory
+            # (vllm/device_allocator/cumem.py `_python_free_callback`; only on ROCm does it
+            # skip allocations that sleep), and a sleeping one is unmapped already: wake
+            # what sleeps, so that the shutdown frees mapped memory and another sleep-mode
+            # engine can start in this process. Waking needs the stages' memory back.
+            self.wake([stage for stage in STAGES if stage not in self._stages.awake])
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm, self._stages
         cleanup_dist_env_and_memory()  # collects the engine's tensors

@@ -11,9 +11,10 @@
 Backends: torch_memory_saver on CUDA (`colocate.memory.cuda`), an mmap arena on CPU
 (`colocate.memory.arena`). Without backup, a resumed tag holds memory again but its
 contents are lost (zeros on CPU, garbage on CUDA). Every transition is checked first
-and a bad one raises a `TaggedMemoryError`; the process stays usable. A pause also runs
-`release_cached()`, which returns freed untagged memory that allocators keep (a trainer's
-activations).
+and a bad one raises a `TaggedMemoryError`; the process stays usable (a pause while a region
+of the tag is open, a CUDA resume without room, memory on a non-current GPU included). A
+pause also runs `release_cached()`, which returns freed untagged memory that allocators keep
+(a trainer's activations).
 
 The functions below act on one registry per process, shared by every thread and actor.
 """
@@ -30,6 +31,7 @@ from colocate.memory.cached import release_cached
 from colocate.memory.cuda import check_allocator_conf, preload_env
 from colocate.memory.errors import (
     CudaSetupError,
+    ResumeOutOfMemoryError,
     TagConflictError,
     TaggedMemoryError,
     TagPausedError,
@@ -101,7 +103,8 @@ def tags() -> list[str]:
 
 
 __all__ = [
-    "CudaSetupError", "TagConflictError", "TagPausedError", "TagState", "TagStateError",
+    "CudaSetupError", "ResumeOutOfMemoryError", "TagConflictError", "TagPausedError",
+    "TagState", "TagStateError",
     "TaggedMemoryError", "UnknownTagError", "adopt", "check_allocator_conf",
     "ensure_active", "pause", "preload_env", "region", "release_cached", "resident_bytes",
     "resume", "state", "tagged_bytes", "tags",

@@ -1,7 +1,8 @@
 """CPU backend: an mmap arena per tag whose pages go back to the OS on pause.
 
-`adopt` copies each storage into an anonymous private mapping and swaps the storage's
-data pointer to it (every tensor that views the storage follows). `pause` writes the
+`adopt` copies each storage into an anonymous private mapping and re-points the storage's
+tensors to it (`colocate.memory.repoint`: a data-pointer swap, so every view follows, or
+on torch 2.11 `Tensor.set_` on each tensor found). `pause` writes the
 mappings to an unlinked backup file when the tag has backup, then `MADV_DONTNEED`s them:
 RSS drops at once. `resume` reads the file back into the same addresses, or, without
 backup, faults in zeroed pages, so `data_ptr()` is the same before and after.
@@ -20,6 +21,9 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import BinaryIO
 
 import torch
+
+from colocate.memory.errors import TaggedMemoryError
+from colocate.memory.repoint import Held, mode, move
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64
@@ -78,20 +82,24 @@ class TagArena:
         self.chunks = [weakref.ref(chunk) for chunk in live]
         return live
 
-    def adopt(self, storages: list[torch.UntypedStorage]) -> None:
-        """Move `storages` into one new chunk, keeping their contents."""
+    def adopt(self, held: list[Held]) -> list[torch.UntypedStorage]:
+        """Move the storages into one new chunk, keeping their contents; returns the
+        storages that hold them now."""
         offsets, end = [], 0
-        for storage in storages:
+        for h in held:
             offsets.append(end)
-            end = _round_up(end + storage.nbytes(), ALIGN)
+            end = _round_up(end + h.storage.nbytes(), ALIGN)
         chunk = Chunk.allocate(end)
         whole = memoryview(chunk)
-        for storage, offset in zip(storages, offsets, strict=True):
-            target = torch.frombuffer(whole[offset:offset + storage.nbytes()], dtype=torch.uint8)
-            target.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-            storage._swap_data_ptr_(target.untyped_storage())
+        moved = []
+        for h, offset in zip(held, offsets, strict=True):
+            nbytes = h.storage.nbytes()
+            target = torch.frombuffer(whole[offset:offset + nbytes], dtype=torch.uint8)
+            moved.append(move(h, target.untyped_storage()))
+            del target
         whole.release()
         self.chunks.append(weakref.ref(chunk))
+        return moved
 
     def pause(self, backup: bool) -> None:
         chunks = self.live_chunks()
@@ -143,16 +151,28 @@ class ArenaBackend:
         return self.arenas.setdefault(tag, TagArena(self.backup_dir))
 
     def region(self, tag: str, backup: bool) -> AbstractContextManager[None]:
+        if mode() != "swap":
+            raise TaggedMemoryError(
+                f"region({tag!r}) on CPU moves what the block allocated into the arena by "
+                "swapping storages' data pointers, which needs torch >= 2.12 "
+                f"(UntypedStorage._swap_data_ptr_); this is torch {torch.__version__}. "
+                f"Allocate outside the region, then adopt(..., {tag!r}) the module, "
+                "optimizer or tensors."
+            )
         return nullcontext()
 
-    def claim(self, tag: str, storages: list[torch.UntypedStorage], backup: bool) -> None:
-        self.adopt(tag, storages, backup)
+    def claim(self, tag: str, storages: list[torch.UntypedStorage],
+              backup: bool) -> list[torch.UntypedStorage]:
+        """Move what a region allocated into the arena. Only a data-pointer swap can: the
+        region saw the storages, not every tensor made from them (a Parameter wraps its
+        data in a new tensor)."""
+        return self._arena(tag).adopt([Held(s, []) for s in storages])
 
-    def adopt(self, tag: str, storages: list[torch.UntypedStorage], backup: bool) -> None:
-        self._arena(tag).adopt(storages)
+    def adopt(self, tag: str, held: list[Held], backup: bool) -> list[torch.UntypedStorage]:
+        return self._arena(tag).adopt(held)
 
-    def pause(self, tag: str, backup: bool) -> None:
+    def pause(self, tag: str, backup: bool, device: int | None = None) -> None:
         self._arena(tag).pause(backup)
 
-    def resume(self, tag: str) -> None:
+    def resume(self, tag: str, nbytes: int = 0, device: int | None = None) -> None:
         self._arena(tag).resume()

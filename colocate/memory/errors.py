@@ -27,3 +27,7 @@ class TagConflictError(TaggedMemoryError):
 
 class CudaSetupError(TaggedMemoryError):
     """The process was not started in a way the CUDA backend (torch_memory_saver) can work in."""
+
+
+class ResumeOutOfMemoryError(TaggedMemoryError):
+    """The device has too little free memory to resume the tag; it stays paused (retry)."""

@@ -1,7 +1,10 @@
 """The per-process registry of memory tags: states, checked transitions, measurements.
 
 A tag is created by its first `region()` or `adopt()` and is ACTIVE or PAUSED. Every
-transition is checked here, under one lock, before a backend sees it. Each pause and
+transition is checked here, under one lock, before a backend sees it: a pause is refused
+while a region of the tag is open in any thread (torch_memory_saver would leave the
+region's later allocations active under a paused tag, and exit(1) at the next resume). A
+tag's CUDA memory is on one device, the current one when it got memory. Each pause and
 resume is measured (memory before and after) into the telemetry timeline, and the memory
 left after each pause feeds the leak tracker.
 """
@@ -29,7 +32,8 @@ from colocate.memory.errors import (
     TagStateError,
     UnknownTagError,
 )
-from colocate.memory.storages import Capture, collect, revive
+from colocate.memory.repoint import Held, complete
+from colocate.memory.storages import Capture, collect_held, revive
 
 
 class TagState(enum.Enum):
@@ -41,10 +45,12 @@ class Backend(Protocol):
     device_type: str
 
     def region(self, tag: str, backup: bool) -> Any: ...
-    def claim(self, tag: str, storages: list[torch.UntypedStorage], backup: bool) -> None: ...
-    def adopt(self, tag: str, storages: list[torch.UntypedStorage], backup: bool) -> None: ...
-    def pause(self, tag: str, backup: bool) -> None: ...
-    def resume(self, tag: str) -> None: ...
+    def claim(self, tag: str, storages: list[torch.UntypedStorage],
+              backup: bool) -> list[torch.UntypedStorage]: ...
+    def adopt(self, tag: str, held: list[Held],
+              backup: bool) -> list[torch.UntypedStorage]: ...
+    def pause(self, tag: str, backup: bool, device: int | None) -> None: ...
+    def resume(self, tag: str, nbytes: int, device: int | None) -> None: ...
 
 
 @dataclass
@@ -56,6 +62,8 @@ class Tag:
     state: TagState = TagState.ACTIVE
     storages: dict[int, StorageWeakRef] = field(default_factory=dict)
     devices: set[str] = field(default_factory=set)
+    cuda_index: int | None = None  # the CUDA device of its CUDA memory
+    resumed: set[str] = field(default_factory=set)  # device types resumed so far
 
     def live_storages(self, device_type: str | None = None) -> list[torch.UntypedStorage]:
         live = {cdata: revive(ref) for cdata, ref in self.storages.items()}
@@ -67,14 +75,44 @@ class Tag:
         return sum(s.nbytes() for s in self.live_storages(device_type))
 
 
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def _device(device: str | torch.device | None) -> torch.device:
+    """`device` (default: CUDA if present, else CPU), with a CUDA index: the current one
+    when none is given."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
-def _reading(device_type: str) -> int:
+def check_cuda_device(tag: str, device: torch.device, current: int,
+                      tag_index: int | None) -> None:
+    """Refuse memory for `tag` on a CUDA device other than the `current` one (it would land
+    untagged: torch_memory_saver tags only the current device's allocations; in torch mode
+    its memory pool is the current device's), or other than the tag's own (`tag_index`)."""
+    if device.type != "cuda":
+        return
+    if device.index != current:
+        raise TagConflictError(
+            f"memory for tag {tag!r} on {device}, but the current CUDA device is "
+            f"cuda:{current}: torch_memory_saver tags only the current device's allocations "
+            f"(the rest would land untagged). Call torch.cuda.set_device({device.index}) "
+            "first."
+        )
+    if tag_index not in (None, device.index):
+        raise TagConflictError(
+            f"tag {tag!r} has memory on cuda:{tag_index}; it cannot take memory on {device} "
+            "too (a resume checks and maps one device). Use one tag per device."
+        )
+
+
+def _reading(device_type: str, index: int | None) -> tuple[int, str]:
+    """Memory held now and its scope: this process's ("process"), or on CUDA where NVML
+    does not account per process, the whole device's ("device")."""
     if device_type == "cuda":
-        return telemetry.read_gpu(torch.cuda.current_device()).used_bytes
-    return telemetry.process_rss()
+        reading = telemetry.read_gpu_process(torch.cuda.current_device() if index is None
+                                             else index)
+        return reading.used_bytes, reading.scope
+    return telemetry.process_rss(), "process"
 
 
 class TagRegistry:
@@ -85,6 +123,7 @@ class TagRegistry:
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
         self._in_region = threading.local()
+        self._open: dict[str, list[str]] = {}  # tag -> threads with a region of it open
 
     # -- backends and tags ------------------------------------------------------------
 
@@ -138,10 +177,17 @@ class TagRegistry:
                     f"{owner.name!r}; it cannot also belong to {tag!r}."
                 )
 
+    def _check_device(self, record: Tag, device: torch.device) -> None:
+        if device.type == "cuda":
+            check_cuda_device(record.name, device, torch.cuda.current_device(),
+                              record.cuda_index)
+
     def _track(self, record: Tag, storages: list[torch.UntypedStorage]) -> None:
         for storage in storages:
             record.storages.setdefault(storage._cdata, StorageWeakRef(storage))
             record.devices.add(storage.device.type)
+            if storage.device.type == "cuda":
+                record.cuda_index = storage.device.index
 
     def _owner(self, storage: torch.UntypedStorage) -> Tag | None:
         for record in self._tags.values():
@@ -155,38 +201,56 @@ class TagRegistry:
     @contextmanager
     def region(self, tag: str, backup: bool = False,
                device: str | torch.device | None = None) -> Iterator[None]:
-        device_type = torch.device(device or _default_device()).type
+        device = _device(device)
         if getattr(self._in_region, "tag", None) is not None:
             raise TagConflictError(
                 f"region({tag!r}) inside region({self._in_region.tag!r}): regions do not nest."
             )
         with self._lock:
             record = self._writable(tag, backup)
-            backend = self._backend(device_type)
-        capture = Capture(device_type)
+            self._check_device(record, device)
+            backend = self._backend(device.type)
+            self._open.setdefault(tag, []).append(threading.current_thread().name)
+        capture = Capture(device.type)
         self._in_region.tag = tag
+        elsewhere: list[torch.UntypedStorage] = []
         try:
             with backend.region(tag, backup), capture:
                 yield
         finally:
             self._in_region.tag = None
             with self._lock:
-                storages = [s for s in capture.live() if self._owner(s) is None]
-                backend.claim(tag, storages, backup)
+                self._open[tag].remove(threading.current_thread().name)
+                if not self._open[tag]:
+                    del self._open[tag]
+                live = [s for s in capture.live() if self._owner(s) is None]
+                elsewhere = [s for s in live if s.device != device]
+                storages = backend.claim(tag, [s for s in live if s.device == device], backup)
                 self._track(record, storages)
+        if elsewhere:  # the block itself succeeded: say what it left untagged
+            raise TagConflictError(
+                f"region({tag!r}) on {device} allocated {sum(s.nbytes() for s in elsewhere)} "
+                f"bytes on {sorted({str(s.device) for s in elsewhere})}, which are not tagged: "
+                "torch_memory_saver tags only the current device's allocations. Allocate on "
+                f"{device} inside the region, or use one region per device after "
+                "torch.cuda.set_device()."
+            )
 
     def adopt(self, obj: Any, tag: str, backup: bool = False) -> int:
         with self._lock:
             record = self._writable(tag, backup)
-            storages = [s for s in collect(obj) if s._cdata not in record.storages]
-            self._check_unowned(tag, storages)  # raises before anything moves
-            by_device: dict[str, list[torch.UntypedStorage]] = {}
-            for storage in storages:
-                by_device.setdefault(storage.device.type, []).append(storage)
-            for device_type, group in by_device.items():
-                self._backend(device_type).adopt(tag, group, backup)
-            self._track(record, storages)
-            return sum(s.nbytes() for s in storages)
+            held = [h for h in collect_held(obj) if h.storage._cdata not in record.storages]
+            # every check runs before anything moves
+            self._check_unowned(tag, [h.storage for h in held])
+            by_device: dict[torch.device, list[Held]] = {}
+            for h in held:
+                by_device.setdefault(h.storage.device, []).append(h)
+            for device in by_device:
+                self._check_device(record, device)
+            complete(held, tag)
+            for device, group in by_device.items():
+                self._track(record, self._backend(device.type).adopt(tag, group, backup))
+            return sum(h.storage.nbytes() for h in held)
 
     # -- transitions -----------------------------------------------------------------
 
@@ -195,15 +259,22 @@ class TagRegistry:
             record = self._get(tag)
             if record.state is TagState.PAUSED:
                 raise TagStateError(f"tag {tag!r} is already paused; resume({tag!r}) first.")
+            if tag in self._open:
+                raise TagStateError(
+                    f"tag {tag!r} has a region open in thread(s) {self._open[tag]}: pause it "
+                    "after the region ends (its later allocations would stay active under "
+                    "a paused tag). Pause a tag from the thread or actor that fills it."
+                )
             done: list[str] = []
             try:
                 for device_type in sorted(record.devices):
                     self._measured("pause", record, device_type,
-                                   lambda b: b.pause(tag, record.backup))
+                                   lambda b: b.pause(tag, record.backup, record.cuda_index))
                     done.append(device_type)
             except BaseException as err:
                 for device_type in done:
-                    self._backend(device_type).resume(tag)
+                    self._backend(device_type).resume(tag, record.nbytes(device_type),
+                                                      record.cuda_index)
                 raise TaggedMemoryError(
                     f"pause({tag!r}) failed on {device_type}; the tag is still active "
                     f"({', '.join(done) or 'nothing'} rolled back): {err}"
@@ -215,32 +286,44 @@ class TagRegistry:
             record = self._get(tag)
             if record.state is TagState.ACTIVE:
                 raise TagStateError(f"tag {tag!r} is already active; pause({tag!r}) first.")
-            for device_type in sorted(record.devices):
+            # CUDA first: its resume is the one that can be refused for want of memory,
+            # and a resumed device is not resumed again when the resume is retried
+            for device_type in sorted(record.devices - record.resumed, reverse=True):
+                nbytes = record.nbytes(device_type)
                 try:
-                    self._measured("resume", record, device_type, lambda b: b.resume(tag))
+                    self._measured("resume", record, device_type,
+                                   lambda b, n=nbytes: b.resume(tag, n, record.cuda_index))
                 except BaseException as err:
                     raise TaggedMemoryError(
                         f"resume({tag!r}) failed on {device_type}; the tag stays paused and "
                         f"resume({tag!r}) may be retried: {err}"
                     ) from err
+                record.resumed.add(device_type)
+            record.resumed.clear()
             record.state = TagState.ACTIVE
 
     def _measured(self, op: str, record: Tag, device_type: str, action) -> None:
         backend = self._backend(device_type)
         nbytes = record.nbytes(device_type)
-        start, before = time.time(), _reading(device_type)
+        start, (before, _) = time.time(), _reading(device_type, record.cuda_index)
         began = time.perf_counter()
         action(backend)
         seconds = time.perf_counter() - began
         if op == "pause":  # what the allocators keep of freed memory goes too (untimed)
             release_cached()
-        after = _reading(device_type)
+        after, scope = _reading(device_type, record.cuda_index)
         telemetry.timeline().record(telemetry.SwitchEvent(
             op=op, tag=record.name, nbytes=nbytes, seconds=seconds, before_bytes=before,
-            after_bytes=after, device=device_type, start=start, pid=os.getpid(),
+            after_bytes=after, start=start, pid=os.getpid(),
+            device=device_type if record.cuda_index is None or device_type != "cuda"
+            else f"cuda:{record.cuda_index}",
         ))
         if op == "pause":
-            telemetry.leak_tracker().observe(f"{record.name}@{device_type}", after)
+            # a device-wide reading moves with other processes too: allow for them
+            telemetry.leak_tracker().observe(
+                f"{record.name}@{device_type}", after,
+                min_tolerance_bytes=telemetry.DEVICE_WIDE_TOLERANCE_BYTES if scope == "device"
+                else 0)
 
     # -- queries -----------------------------------------------------------------------
 

@@ -18,6 +18,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from colocate.memory.repoint import Held
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor that holds memory: a DTensor's (FSDP's sharded parameters) local shard."""
@@ -42,18 +44,27 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def collect(obj: Any) -> list[torch.UntypedStorage]:
-    """The distinct, non-empty storages behind `obj`.
+def collect_held(obj: Any) -> list[Held]:
+    """The distinct, non-empty storages behind `obj`, each with the distinct tensors found
+    viewing it.
 
     `obj` is a tensor, an `nn.Module` (parameters, their gradients, buffers), an optimizer
     (its state), or a list/tuple/dict of these. Parameter gradients come along.
     """
-    found: dict[int, torch.UntypedStorage] = {}
+    found: dict[int, Held] = {}
+    seen: set[int] = set()
     for tensor in _tensors(obj):
         storage = tensor.untyped_storage()
-        if storage.nbytes() > 0:
-            found.setdefault(storage._cdata, storage)
+        if storage.nbytes() == 0 or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        found.setdefault(storage._cdata, Held(storage, [])).tensors.append(tensor)
     return list(found.values())
+
+
+def collect(obj: Any) -> list[torch.UntypedStorage]:
+    """The distinct, non-empty storages behind `obj` (see `collect_held`)."""
+    return [held.storage for held in collect_held(obj)]
 
 
 def revive(ref: StorageWeakRef) -> torch.UntypedStorage | None:

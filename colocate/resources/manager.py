@@ -49,18 +49,45 @@ def select(mesh: Any, **ranges: int | slice) -> Any:
 
 
 def _slot_env(slot: int, virtual: bool) -> dict[str, str]:
-    """A slot proc's environment: its slot, and on a real GPU only that GPU visible."""
-    return {SLOT_ENV: str(slot), **({} if virtual else {"CUDA_VISIBLE_DEVICES": str(slot)})}
+    """A slot proc's environment: its slot, and on a real GPU the slot to resolve to a GPU
+    UUID when the proc starts (`hosts.run_on_slot_gpu`), plus torch_memory_saver's preload
+    environment when this process runs in preload mode (`COLOCATE_TMS_HOOK_MODE=preload`):
+    the hook must be in LD_PRELOAD before the proc starts. Its paths are this process's,
+    as the bootstrap's Python is (hosts run the same installation)."""
+    from colocate.memory.cuda import HOOK_MODE_ENV
+    from colocate.resources.hosts import GPU_SLOT_ENV
+
+    if virtual:
+        return {SLOT_ENV: str(slot)}
+    env = {SLOT_ENV: str(slot), GPU_SLOT_ENV: str(slot)}
+    if os.environ.get(HOOK_MODE_ENV) == "preload":
+        from colocate.memory import preload_env
+
+        preload = preload_env()
+        env.update({key: preload[key] for key in ("LD_PRELOAD", "LD_LIBRARY_PATH",
+                                                  HOOK_MODE_ENV) if key in preload})
+    return env
 
 
 def _bootstrap(env: Callable[[dict[str, int]], dict[str, str]]) -> Callable[[Any], Any]:
-    """A bootstrap command for each proc with `env(its coordinates)` added: set before the
-    proc starts, so CUDA sees only its slot's GPU."""
+    """A bootstrap command for each proc with `env(its coordinates)` added, set before the
+    proc starts. A GPU slot's proc (`GPU_SLOT_ENV` in its env) first runs
+    `hosts.run_on_slot_gpu`, which sets CUDA_VISIBLE_DEVICES to its GPU's UUID on the proc's
+    own host, then Monarch's bootstrap module, so CUDA sees only that GPU."""
+    from colocate.resources.hosts import GPU_SLOT_ENV
 
     def command(point: Any) -> BootstrapCommand:
         base = default_bootstrap_cmd()
-        return BootstrapCommand(base.program, base.arg0, base.args,
-                                {**(base.env or {}), **env(dict(point))})
+        extra = env(dict(point))
+        args = list(base.args)
+        if GPU_SLOT_ENV in extra:
+            if args[:1] != ["-m"] or len(args) < 2:
+                raise ResourceError(
+                    f"cannot give a GPU slot's proc its GPU: Monarch's bootstrap command is "
+                    f"{base.program} {args}, not `python -m <module>`")
+            args = ["-c", "from colocate.resources.hosts import run_on_slot_gpu; "
+                    f"run_on_slot_gpu({args[1]!r})", *args[2:]]
+        return BootstrapCommand(base.program, base.arg0, args, {**(base.env or {}), **extra})
 
     return command
 

@@ -7,19 +7,24 @@
 
 from colocate.telemetry.leaks import LeakTracker, ResidualGrowthWarning, leak_tracker
 from colocate.telemetry.readings import (
+    DEVICE_WIDE_TOLERANCE_BYTES,
     MemoryReading,
     TelemetryError,
     device_uuid,
     process_rss,
+    process_share,
     read,
     read_cpu,
     read_gpu,
+    read_gpu_process,
     read_gpu_uuid,
+    read_gpu_uuid_process,
     read_pid,
 )
 from colocate.telemetry.timeline import SwitchEvent, Timeline, timeline
 
 __all__ = [
+    "DEVICE_WIDE_TOLERANCE_BYTES",
     "LeakTracker",
     "MemoryReading",
     "ResidualGrowthWarning",
@@ -29,10 +34,13 @@ __all__ = [
     "device_uuid",
     "leak_tracker",
     "process_rss",
+    "process_share",
     "read",
     "read_cpu",
     "read_gpu",
+    "read_gpu_process",
     "read_gpu_uuid",
+    "read_gpu_uuid_process",
     "read_pid",
     "timeline",
 ]

@@ -48,15 +48,18 @@ class LeakTracker:
         self._lock = threading.Lock()
         self._tags: dict[str, _TagState] = {}
 
-    def observe(self, tag: str, residual_bytes: int) -> None:
-        """Record the memory measured right after a pause of `tag`; warn on sustained growth."""
+    def observe(self, tag: str, residual_bytes: int, min_tolerance_bytes: int = 0) -> None:
+        """Record the memory measured right after a pause of `tag`; warn on sustained growth.
+        `min_tolerance_bytes` raises the tolerance for this observation (a device-wide GPU
+        reading, which other processes move too)."""
         with self._lock:
             state = self._tags.setdefault(tag, _TagState())
             state.history.append(residual_bytes)
             if len(state.history) <= self.warmup:
                 return
             baseline = state.history[self.warmup]
-            tolerance = max(self.tolerance_bytes, self.tolerance_fraction * baseline)
+            tolerance = max(self.tolerance_bytes, min_tolerance_bytes,
+                            self.tolerance_fraction * baseline)
             state.streak = state.streak + 1 if residual_bytes > baseline + tolerance else 0
             if state.streak < self.window or state.warned:
                 return

@@ -1,4 +1,12 @@
-"""Point-in-time memory readings: this process's host memory, or a GPU's used memory via NVML."""
+"""Point-in-time memory readings: this process's host memory, or a GPU's used memory via NVML.
+
+A GPU reading is device-wide (every process on the GPU: `scope="device"`) unless it says
+`scope="process"`: `read_gpu_process` gives this process's own share where NVML's
+per-process accounting has it, and falls back to the device-wide reading otherwise (a
+container that hides host pids, a driver or MIG instance that does not report it). A
+device-wide reading counts other processes' memory too: compare two of them only with a
+tolerance for what those may allocate or free meanwhile (`DEVICE_WIDE_TOLERANCE_BYTES`).
+"""
 
 from __future__ import annotations
 
@@ -21,7 +29,8 @@ class MemoryReading:
     """Memory in use on `device` ("cpu" or "cuda:<torch index>") at `timestamp` (time.time()).
 
     For "cpu" `used_bytes` is this process's RSS and `uss_bytes` its unique set size when asked
-    for; for "cuda:<i>" it is the memory used on the whole device, by every process.
+    for; for a GPU it is the memory used on the whole device, by every process
+    (`scope="device"`), or by this process alone (`scope="process"`).
     """
 
     device: str
@@ -29,6 +38,13 @@ class MemoryReading:
     timestamp: float
     uss_bytes: int | None = None
     total_bytes: int | None = None  # a GPU's capacity
+    scope: str = "process"  # "process": this process's own memory; "device": all processes
+
+
+# What other processes may allocate or free on a GPU between two device-wide readings of a
+# switch, allowed for when a release is checked without per-process accounting: their CUDA
+# contexts and caching allocators move in steps of tens of MiB (2 MiB pages, 20 MiB blocks).
+DEVICE_WIDE_TOLERANCE_BYTES = 256 << 20
 
 
 _process_cache: tuple[int, psutil.Process] | None = None
@@ -142,12 +158,48 @@ def read_gpu_uuid(uuid: str, label: str | None = None) -> MemoryReading:
     handle = _handle(uuid.removeprefix("GPU-").removeprefix("MIG-"))
     info = _nvml.nvmlDeviceGetMemoryInfo(handle)
     return MemoryReading(label or f"gpu:{uuid}", int(info.used), time.time(),
-                         total_bytes=int(info.total))
+                         total_bytes=int(info.total), scope="device")
+
+
+def process_share(entries: list[Any], pid: int) -> int | None:
+    """`pid`'s bytes among NVML's per-process entries of a device (objects with `pid` and
+    `usedGpuMemory`, as nvmlDeviceGetComputeRunningProcesses returns them), or None when
+    NVML does not say: no entry for the pid (another pid namespace, no CUDA context yet) or
+    the amount is not available (pynvml gives None)."""
+    amounts = [e.usedGpuMemory for e in entries if e.pid == pid]
+    if not amounts or any(a is None for a in amounts):
+        return None
+    return sum(int(a) for a in amounts)
+
+
+def read_gpu_process(index: int = 0, pid: int | None = None) -> MemoryReading:
+    """This process's (or `pid`'s) memory on torch's cuda:<index> (`scope="process"`), from
+    NVML's per-process accounting; the device-wide reading (`scope="device"`) where NVML
+    does not give it (see `process_share`)."""
+    return read_gpu_uuid_process(device_uuid(index), os.getpid() if pid is None else pid,
+                                 label=f"cuda:{index}")
+
+
+def read_gpu_uuid_process(uuid: str, pid: int, label: str | None = None) -> MemoryReading:
+    """`pid`'s memory on the GPU with this UUID (`scope="process"`), or the device-wide
+    reading (`scope="device"`) where NVML does not give it; from any process of the host
+    (how an arbiter can measure a tenant's release without counting other processes)."""
+    reading = read_gpu_uuid(uuid, label=label)
+    try:
+        entries = _nvml.nvmlDeviceGetComputeRunningProcesses(
+            _handle(uuid.removeprefix("GPU-").removeprefix("MIG-")))
+    except _nvml.NVMLError:
+        return reading
+    share = process_share(entries, pid)
+    if share is None:
+        return reading
+    return MemoryReading(reading.device, share, time.time(), total_bytes=reading.total_bytes,
+                         scope="process")
 
 
 def read_gpu(index: int = 0) -> MemoryReading:
-    """Memory used on torch's cuda:<index> (all processes), found by UUID so that indices
-    remapped by CUDA_VISIBLE_DEVICES stay right."""
+    """Memory used on torch's cuda:<index> (all processes: `scope="device"`), found by UUID
+    so that indices remapped by CUDA_VISIBLE_DEVICES stay right."""
     return read_gpu_uuid(device_uuid(index), label=f"cuda:{index}")
 
 

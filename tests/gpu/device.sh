@@ -5,21 +5,35 @@
 #   device: bash tests/gpu/device.sh run       # with .whl carried; writes $OUT/gpu-tests.log
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-# The device image has torch, pytest, pytest-timeout, psutil, nvidia-ml-py, tqdm, matplotlib.
-WHEELS=(torch-memory-saver==0.0.10 pytest-asyncio)
+# The device image has torch (2.11), pytest, pytest-timeout, psutil, nvidia-ml-py, tqdm,
+# matplotlib. tests/gpu and bench/memory.py also import torch_memory_saver and (the engines'
+# test) transformers; no Monarch, vLLM or pytest-asyncio. `fetch` downloads those two with
+# their dependencies; `run` installs only the wheels whose distribution the image lacks.
+WHEELS=(torch-memory-saver==0.0.10 transformers==5.19.0)
 case "${1:-}" in
   fetch)
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-    for wheel in "${WHEELS[@]}"; do
-      python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 --platform any -d .whl "$wheel"
-    done ;;
+    exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
+    mkdir -p "$(dirname "$exclude")"
+    grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
+    python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 --platform any -d .whl "${WHEELS[@]}" ;;
   run)
-    python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/site .whl/*.whl
+    mapfile -t missing < <(python3 - <<'PY'
+import importlib.metadata as metadata
+import pathlib
+
+for wheel in sorted(pathlib.Path(".whl").glob("*.whl")):
+    try:
+        metadata.version(wheel.name.split("-")[0])
+    except metadata.PackageNotFoundError:
+        print(wheel)
+PY
+)
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/site "${missing[@]}"
     export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
     nvidia-smi -L
-    python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "${OUT:-.}/gpu-tests.log"
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "${OUT:-.}/gpu-tests.log"
     python3 bench/memory.py --device cuda --out "${OUT:-runs}/bench_memory_cuda" ;;
   *) echo "usage: $0 fetch|run" >&2; exit 2 ;;
 esac

@@ -1,5 +1,5 @@
-"""Two tenants take turns on a GPU through the arbiter's logic, in a plain process per GPU
-(the CUDA backend: torch_memory_saver; release verified with NVML by device UUID)."""
+"""Two tenants take turns on a GPU through the arbiter's logic, in a plain process per GPU,
+all GPUs at once (the CUDA backend: torch_memory_saver; release verified with NVML)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import hashlib
 
 import torch
 
-from colocate import telemetry
+from colocate import memory, telemetry
 from colocate.arbiter import SlotArbiter, TaggedTenant
 from colocate.arbiter.local import LocalTenantHandle
 
@@ -17,6 +17,11 @@ MiB = 1 << 20
 
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _used() -> int:
+    torch.cuda.synchronize()
+    return telemetry.read_gpu_process(0).used_bytes
 
 
 def turns_on_gpu(mib: int, rounds: int) -> dict:
@@ -32,28 +37,31 @@ def turns_on_gpu(mib: int, rounds: int) -> dict:
             with tenant.region("cache", device="cuda"):
                 weights[name + "/cache"] = torch.zeros(mib * MiB // 4, device="cuda")
             tenants[name] = tenant
+        # read while both are awake: a sleeping tenant's memory is unmapped on CUDA
         digests = {n: _digest(weights[n]) for n in tenants}
         arbiter = SlotArbiter([0])
         for name, tenant in tenants.items():
             await arbiter.register(0, LocalTenantHandle(name, tenant))
-        used = []
+        used, intact, asleep = [], [], []
         for _ in range(rounds):
-            for name in ("generator", "trainer"):
+            for name, other in (("generator", "trainer"), ("trainer", "generator")):
                 await arbiter.wake(name)
+                intact.append(_digest(weights[name]) == digests[name])  # awake: readable
+                asleep.append(memory.resident_bytes(f"{other}/weights")
+                              + memory.resident_bytes(f"{other}/cache"))
                 weights[name + "/cache"].fill_(1.0)
-                torch.cuda.synchronize()
-                used.append(telemetry.read_gpu(0).used_bytes)
-        intact = all(_digest(weights[n]) == d for n, d in digests.items())
-        return {"status": arbiter.status()[0], "intact": intact, "first": used[1],
-                "last": used[-1], "events": len(telemetry.timeline().events)}
+                used.append(_used())
+        return {"status": arbiter.status()[0], "intact": all(intact), "wakes": len(intact),
+                "other_resident": max(asleep), "first": used[1], "last": used[-1],
+                "events": len(telemetry.timeline().events)}
 
     return asyncio.run(run())
 
 
-def test_trainer_and_generator_take_turns_on_each_gpu(isolated, gpu_indices):
-    for index in gpu_indices:
-        out = isolated(turns_on_gpu, 256, 20, env={"CUDA_VISIBLE_DEVICES": str(index)})
+def test_trainer_and_generator_take_turns_on_each_gpu(on_each_gpu, hook_env):
+    for out in on_each_gpu(turns_on_gpu, 256, 20, env=hook_env):
         assert out["status"] == {"trainer": ["weights", "cache"], "generator": []}
-        assert out["intact"]
+        assert out["intact"] and out["wakes"] == 40, out  # each wake found its weights
+        assert out["other_resident"] == 0, out  # the other tenant slept at every turn
         assert abs(out["last"] - out["first"]) < 0.02 * out["first"], out
         assert out["events"] >= 4 * 20  # every pause and resume was measured

@@ -1,6 +1,7 @@
 """The trainer and the built-in generator taking turns on each GPU under torch_memory_saver,
-with the staged weight handoff through the arbiter's logic, in a plain process per GPU
-(Monarch is not on the GPU test machine). Memory is measured with NVML by device UUID."""
+with the staged weight handoff through the arbiter's logic, in a plain process per GPU, all
+GPUs at once (Monarch is not on the GPU test machine). Memory is this process's share by
+NVML (`read_gpu_process`)."""
 
 from __future__ import annotations
 
@@ -9,45 +10,54 @@ import asyncio
 import pytest
 import torch
 
-from colocate import telemetry
+from colocate import memory, telemetry
 from colocate.arbiter import SlotArbiter
 from colocate.arbiter.local import LocalTenantHandle
 from colocate.engines.generator import TorchGenerator
-from colocate.engines.llama import Llama, LlamaConfig
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.trainer import PolicyTrainer
 from colocate.engines.weights import digest
 
-# about 100 M parameters: 0.4 GB of weights, 1.2 GB with AdamW's moments, so NVML sees them
-CONFIG = LlamaConfig(vocab_size=64, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,
-                     hidden_dim=2816, max_seq_len=64)
 PROMPTS = [[1, 5, 9, 12], [1, 7], [1, 30, 31, 32, 33, 34]]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
 
 
 def _used() -> int:
     torch.cuda.synchronize()
-    return telemetry.read_gpu(0).used_bytes
+    return telemetry.read_gpu_process(0).used_bytes
+
+
+def _model(seed: int) -> torch.nn.Module:
+    """A random Llama of about 100 M parameters (0.4 GB of weights, 1.2 GB with AdamW's
+    moments, so NVML sees them), built with transformers' own config and initialisation."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def _loss(module, batch):
-    return module(batch)[..., 5].mean(), {}
+    return module(input_ids=batch).logits[..., 5].mean(), {}
 
 
-def _greedy_reference(net: Llama, prompt: list[int]) -> list[int]:
+def _greedy_reference(net: torch.nn.Module, prompt: list[int]) -> list[int]:
     """Greedy decoding by full forward passes, no cache: what the generator must match."""
     tokens = list(prompt)
     with torch.no_grad():
         for _ in range(GREEDY.max_new_tokens):
-            tokens.append(int(net(torch.tensor([tokens], device="cuda"))[0, -1].argmax()))
+            logits = net(input_ids=torch.tensor([tokens], device="cuda")).logits
+            tokens.append(int(logits[0, -1].argmax()))
     return tokens[len(prompt):]
 
 
 def turns_with_handoff(rounds: int, keep_weights: bool) -> dict:
     async def run():
-        torch.manual_seed(0)
-        trainer = PolicyTrainer(Llama(CONFIG), prefix="trainer", device="cuda")
-        gen = TorchGenerator(Llama(CONFIG), max_batch=8, prefix="generator", device="cuda",
+        trainer = PolicyTrainer(_model(0), prefix="trainer", device="cuda")
+        gen = TorchGenerator(_model(1), max_batch=8, prefix="generator", device="cuda",
                              keep_weights=keep_weights)
         arbiter = SlotArbiter([0])
         await arbiter.register(0, LocalTenantHandle("trainer", trainer))
@@ -59,14 +69,18 @@ def turns_with_handoff(rounds: int, keep_weights: bool) -> dict:
             trainer.step(_loss, batch)
             reference = [_greedy_reference(trainer.model.eval(), p) for p in PROMPTS]
             trainer.model.train()
-            trained = digest(trainer.named_weights())
+            trained = digest(trainer.weights().tensors())
+            # what the step and the reference freed (AdamW's temporaries, activations) is
+            # not the trainer's to release: the handoff's release_cached() returns it too
+            memory.release_cached()
             trainer_awake = _used()
             tagged = trainer.describe().tagged_bytes
             await arbiter.handoff("trainer", "generator")
             generator_awake = _used()
             tokens = [c.tokens for c in gen.generate(PROMPTS, GREEDY)]
             out["rounds"].append({
-                "status": arbiter.status()[0], "synced": digest(gen.named_weights()) == trained,
+                "status": arbiter.status()[0],
+                "synced": digest(gen.weights().tensors()) == trained,
                 "greedy_equal": tokens == reference,
                 "released": trainer_awake - generator_awake,
                 "expected": tagged - gen.describe().tagged_bytes})
@@ -77,12 +91,11 @@ def turns_with_handoff(rounds: int, keep_weights: bool) -> dict:
 
 
 @pytest.mark.parametrize("keep_weights", [True, False])
-def test_trainer_and_generator_take_turns_with_weight_sync(isolated, gpu_indices, keep_weights):
-    for index in gpu_indices:
-        out = isolated(turns_with_handoff, 3, keep_weights,
-                       env={"CUDA_VISIBLE_DEVICES": str(index)})
+def test_trainer_and_generator_take_turns_with_weight_sync(on_each_gpu, keep_weights):
+    for out in on_each_gpu(turns_with_handoff, 3, keep_weights):
+        assert len(out["rounds"]) == 3
         for row in out["rounds"]:
-            assert row["status"] == {"trainer": [], "generator": ["weights", "kv_cache"]}
+            assert row["status"] == {"trainer": [], "generator": ["weights"]}
             assert row["synced"] and row["greedy_equal"], row
             # the trainer's stages left the GPU; the generator's came back (by NVML)
             assert abs(row["released"] - row["expected"]) < 0.05 * out["trainer_tagged"], row
