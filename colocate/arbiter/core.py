@@ -102,16 +102,19 @@ class SlotArbiter:
 
     # -- measurement ------------------------------------------------------------------
 
-    def _reading(self, slot: Slot, name: str | None = None) -> telemetry.MemoryReading:
-        """The memory of `name`'s process (CPU) or device (GPU); by default the slot's
-        first tenant's (colocated tenants share one)."""
-        info = slot.infos[name] if name else next(iter(slot.infos.values()))
+    def _reading(self, slot: Slot, name: str) -> telemetry.MemoryReading:
+        """The memory of `name`'s process: its RSS (CPU), or its share of its GPU where NVML
+        gives per-process usage (device-wide otherwise), so other processes on the GPU do
+        not blur the release check."""
+        info = slot.infos[name]
         if info.device == "cpu":
             return telemetry.read_pid(info.pid)
-        return telemetry.read_gpu_uuid(info.device)
+        return telemetry.read_gpu_uuid_process(info.device, info.pid)
 
     def _free_bytes(self, slot: Slot) -> int:
-        reading = self._reading(slot)
+        info = next(iter(slot.infos.values()))  # colocated tenants share the process
+        reading = telemetry.read_pid(info.pid) if info.device == "cpu" \
+            else telemetry.read_gpu_uuid(info.device)
         capacity = reading.total_bytes or self.config.slot_capacity_bytes
         if capacity is None:
             raise ArbiterError(f"slot {slot.index} has no known capacity: on CPU slots the "
