@@ -144,7 +144,11 @@ def _distributed_env() -> bool:
 
 
 def _join_group(device: torch.device) -> None:
-    """This replica's torch.distributed group: made here, or checked when it exists."""
+    """This replica's torch.distributed group: made here, or checked when it exists. On
+    CUDA each rank takes the GPU of its LOCAL_RANK among those it sees (a slot proc sees
+    one)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     elif dist.get_world_size() != int(os.environ["WORLD_SIZE"]):
