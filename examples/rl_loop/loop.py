@@ -139,8 +139,8 @@ class Loop:
         """Mark a phase switch and record what each side holds now."""
         self.record.phase(label)
         self.postfix["phase"] = label
-        if self.bar is not None:
-            self.bar.set_postfix(self.postfix, refresh=False)
+        if self.bar is not None:  # shown now: the bar otherwise redraws only at a step's end
+            self.bar.set_postfix(self.postfix)
         for name, service in (("trainer", self.trainer), ("generator", self.generator)):
             self.record.reading(name, await resident(service))
 

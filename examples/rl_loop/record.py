@@ -49,11 +49,23 @@ class RunRecord:
         evals = [s for s in self.steps if "eval_reward" in s]
         ax.plot([s["step"] for s in evals], [s["eval_reward"] for s in evals], "o-",
                 label="eval reward (greedy, held-out)")
-        ax.set(xlabel="step", ylabel="reward", ylim=(0, 1), title="GRPO on the toy task")
+        ax.set(xlabel="step", ylabel="reward", ylim=(0, 1), title=self._title())
         ax.legend()
         fig.tight_layout()
         fig.savefig(path)
         plt.close(fig)
+
+    def _title(self) -> str:
+        """The run in one line: model, steps, learning rate, engine, slots."""
+        cfg = self.config
+        if not cfg:
+            return "GRPO on the toy task"
+        model = cfg["model"]
+        name = Path(model["path"]).name if model.get("path") else \
+            f"tiny {model['architecture']} ({model['hidden_size']} wide, {model['layers']} layers)"
+        run = cfg["run"]
+        return (f"GRPO: {name}, {run['steps']} steps, lr {cfg['grpo']['lr']:g}, "
+                f"{run['engine']} on {run['slots']} slot(s)")
 
     def _plot_memory(self, path: Path) -> None:
         """The whole run, and (once there are three) the last three steps up close, where
@@ -70,17 +82,30 @@ class RunRecord:
         plt.close(fig)
 
     def _memory_panel(self, ax: Any, title: str, since: float) -> None:
-        """Memory per tenant from `since` on (with the reading in force then)."""
-        for tenant in sorted({r["tenant"] for r in self.memory}):
-            rows = [r for r in self.memory if r["tenant"] == tenant]
-            before = [r for r in rows if r["t"] < since][-1:]
-            rows = [*({**r, "t": since} for r in before), *(r for r in rows if r["t"] >= since)]
-            ax.step([r["t"] for r in rows], [r["bytes"] / 2**20 for r in rows], where="post",
-                    label=tenant)
+        """Per slot, from `since` on (with the reading in force then): what each tenant
+        holds, and their total, the figure a GPU's memory must fit."""
+        slots = self.config.get("run", {}).get("slots", 1)
+        tenants = sorted({r["tenant"] for r in self.memory})
+        held = {tenant: 0 for tenant in tenants}
+        series: dict[str, list[tuple[float, float]]] = {t: [] for t in [*tenants, "total"]}
+        for reading in self.memory:
+            held[reading["tenant"]] = reading["bytes"] / slots / 2**20
+            t = max(reading["t"], since)
+            for name, value in (*held.items(), ("total", sum(held.values()))):
+                series[name].append((t, value))
+        for name, points in series.items():
+            style = {"color": "black", "lw": 2, "alpha": 0.6} if name == "total" else {}
+            ax.step([t for t, _ in points], [v for _, v in points], where="post",
+                    label=name, **style)
         phases = [(t, label) for t, label in self.phases if t >= since]
         for t, label in phases:
             ax.axvline(t, color="grey", lw=0.5, alpha=0.5)
-            if len(phases) <= 12:
-                ax.text(t, ax.get_ylim()[1], label, rotation=90, va="top", fontsize=7)
-        ax.set(xlabel="seconds", ylabel="MiB held (tagged, resident)", title=title)
-        ax.legend()
+            if len(phases) <= 12:  # only where they do not overlap
+                ax.annotate(label, (t, 1), xycoords=("data", "axes fraction"), rotation=90,
+                            va="top", ha="right", fontsize=8,
+                            bbox={"boxstyle": "round", "fc": "white", "ec": "none",
+                                  "alpha": 0.8})
+        ax.set_xlim(left=since)
+        ax.set(xlabel="seconds since the run started", ylabel="MiB held per slot",
+               title=title)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
