@@ -35,6 +35,14 @@ async def test_grpo_beats_the_untrained_policy_and_writes_plots(tmp_path):
     assert len([s for s in metrics["steps"] if s["step"] >= 0]) == STEPS
     held = {r["tenant"] for r in metrics["memory"] if r["bytes"] > 0}
     assert held == {"trainer", "generator"}  # both held memory, in turn
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert len(events.Scalars("rl/reward")) == STEPS
+    assert [e.value for e in events.Scalars("rl/eval_reward")][-1] == \
+        pytest.approx(summary["final_eval_reward"], rel=1e-6)  # events hold float32
+    assert len(events.Scalars("memory_mib/trainer")) == len(metrics["memory"]) // 2
 
 
 async def test_the_loop_trains_a_given_model_directory_sharded_over_two_slots(tmp_path):

@@ -73,7 +73,7 @@ class Loop:
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
         self.rng = random.Random(cfg.run.seed)
-        self.record = RunRecord(config=as_dict(cfg))
+        self.record = RunRecord(config=as_dict(cfg), logdir=self.out / "tensorboard")
         self.bar: tqdm | None = None
         self.training = asyncio.Lock()  # held from a train step through its weight sync
         self.resyncs = 0  # generator replicas given the weights after a respawn
@@ -241,11 +241,11 @@ class Loop:
         async with phase(self.generator):
             untrained = await self.evaluate()
         self.postfix["eval"] = f"{untrained:.2f}"
-        self.record.steps.append({"step": -1, "reward": None, "eval_reward": untrained})
+        self.record.step({"step": -1, "reward": None, "eval_reward": untrained})
         self.bar = tqdm(range(self.cfg.run.steps), desc="GRPO")
         for index in self.bar:
             row = await self.step(index)
-            self.record.steps.append(row)
+            self.record.step(row)
             self.postfix["reward"] = f"{row['reward']:.2f}"
             if "eval_reward" in row:
                 self.postfix["eval"] = f"{row['eval_reward']:.2f}"

@@ -1,5 +1,7 @@
 """What a run leaves behind: per-step metrics, memory per tenant over time, and the plots
-(`reward.png`, `memory.png`) and `metrics.json` written from them."""
+(`reward.png`, `memory.png`) and `metrics.json` written from them. Steps and memory
+readings also go, as they happen, to TensorBoard event files under `<out>/tensorboard`
+(`tensorboard --logdir runs/rl_loop`)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,24 @@ class RunRecord:
     memory: list[dict[str, Any]] = field(default_factory=list)  # t, tenant, bytes
     phases: list[tuple[float, str]] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)  # the resolved configuration
+    logdir: Path | None = None  # TensorBoard events go here when given
     start: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.events = None
+        if self.logdir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.events = SummaryWriter(str(self.logdir))
+            self.events.add_text("config", f"```\n{json.dumps(self.config, indent=2)}\n```")
+
+    def step(self, row: dict[str, Any]) -> None:
+        """A step's metrics (step -1: the untrained evaluation)."""
+        self.steps.append(row)
+        if self.events is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, int | float):
+                    self.events.add_scalar(f"rl/{key}", value, row["step"])
 
     def now(self) -> float:
         return time.monotonic() - self.start
@@ -33,9 +52,14 @@ class RunRecord:
 
     def reading(self, tenant: str, resident_bytes: int) -> None:
         self.memory.append({"t": self.now(), "tenant": tenant, "bytes": resident_bytes})
+        if self.events is not None:
+            self.events.add_scalar(f"memory_mib/{tenant}", resident_bytes / 2**20,
+                                   len(self.memory))
 
     def write(self, out: Path, summary: dict[str, Any]) -> None:
         out.mkdir(parents=True, exist_ok=True)
+        if self.events is not None:
+            self.events.flush()
         (out / "metrics.json").write_text(json.dumps(
             {"config": self.config, "summary": summary, "steps": self.steps,
              "memory": self.memory, "phases": self.phases}, indent=2))
