@@ -222,6 +222,8 @@ def test_weights_come_in_buckets_of_bounded_size(tmp_path):
     gen = TorchGenerator(net(str(path), seed=5), prefix="g_buckets")
     gen.load_weights(stream)
     assert digest(gen.weights().tensors()) == digest(trainer.weights().tensors())
+    manifest = export_weights(trainer.weights(), "test_engines/buckets")  # bucket by bucket
+    assert read_exported(manifest, digest) == digest(trainer.weights().tensors())
 
 
 # -- weight sync across processes ---------------------------------------------------------------

@@ -23,6 +23,7 @@ from colocate.engines.sampling import Completion, SamplingParams
 from colocate.engines.weights import (
     RemoteWeights,
     WeightManifest,
+    WeightStream,
     digest,
     export_weights,
     fetch_weights,
@@ -82,17 +83,17 @@ class TrainerActor(TenantActor):
         weights = self._full_weights()
         if weights is None:
             return None
-        self.offered = list(weights)
+        self.offered = list(weights.tensors())
         return offer_weights(self.offered, self.exports)
 
-    def _full_weights(self):
+    def _full_weights(self) -> WeightStream | None:
         """Rank 0: the full weights, bucket after bucket; other ranks: None, once they took
         part in the gathers a sharded trainer needs."""
-        weights = self.trainer.weights().tensors()
+        weights = self.trainer.weights()
         if self.trainer.rank == 0:
             return weights
         if self.trainer.sharded:
-            for _ in weights:
+            for _ in weights.buckets():
                 pass
         return None
 

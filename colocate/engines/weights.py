@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -169,17 +170,18 @@ def _header(storage: torch.UntypedStorage) -> torch.Tensor:
     return _view(storage, torch.int64, (1,), 0)
 
 
-def export_weights(named: Iterable[tuple[str, torch.Tensor]], key: str,
+def export_weights(weights: WeightStream | Iterable[tuple[str, torch.Tensor]], key: str,
                    version: int = 0) -> WeightManifest:
-    """Write the tensors into the shared-memory file of `key`, over its last export. Its
-    header says `WRITING` until every tensor is in, then `version` (>= 0)."""
+    """Write the weights into the shared-memory file of `key`, over its last export, a
+    bucket at a time (the file's layout comes from the stream's specs). Its header says
+    `WRITING` until every tensor is in, then `version` (>= 0)."""
     if version < 0:
         raise ValueError(f"version={version}: must be >= 0")
-    tensors = [(name, t.detach()) for name, t in named]
+    stream = weights if isinstance(weights, WeightStream) else WeightStream.of(weights)
     entries, offset = [], ALIGN  # the header comes first
-    for name, t in tensors:
-        entries.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
-        offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    for name, (shape, dtype) in stream.specs.items():
+        entries.append((name, str(dtype).removeprefix("torch."), tuple(shape), offset))
+        offset += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
     path = _shm_dir() / f"{key.replace('/', '_')}.bin"
     if not path.exists() or path.stat().st_size != offset:  # a new file, all at once
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -188,9 +190,14 @@ def export_weights(named: Iterable[tuple[str, torch.Tensor]], key: str,
         os.replace(tmp, path)
     _remove_at_exit(path)
     storage = _mapping(path, offset)
+    starts = {name: start for name, _, _, start in entries}
     _header(storage).fill_(WRITING)
-    for (_, t), (_, _, _, start) in zip(tensors, entries, strict=True):
-        _view(storage, t.dtype, t.shape, start).copy_(t)
+    for name, tensor in stream.tensors():
+        if (tuple(tensor.shape), tensor.dtype) != stream.specs[name]:
+            raise ValueError(f"{name}: {tuple(tensor.shape)} {tensor.dtype} is not what its "
+                             f"stream announced, {stream.specs[name]} (the export stays "
+                             "marked as being written)")
+        _view(storage, tensor.dtype, tensor.shape, starts[name]).copy_(tensor.detach())
     _header(storage).fill_(version)
     return WeightManifest(str(path), offset, tuple(entries), version)
 
