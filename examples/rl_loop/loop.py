@@ -10,6 +10,7 @@ is checked by measurement.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import time
@@ -151,7 +152,7 @@ class Loop:
         chunks = max(1, len(self.generator.replicas))
         size = -(-len(tokens) // chunks)
         parts = await asyncio.gather(*(
-            self.generator.generate.route(tokens[i:i + size], params)
+            self.generator.generate.route(tokens[i:i + size], self._seeded(params, i))
             for i in range(0, len(tokens), size)))
         return tokens, [c for part in parts for c in part]
 
@@ -162,6 +163,13 @@ class Loop:
     def decode(self, tokens: list[int]) -> str:
         """A completion's text, without special tokens (the stop token among them)."""
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    @staticmethod
+    def _seeded(params: SamplingParams, first: int) -> SamplingParams:
+        """`params` for the prompts from index `first` on: request i of the whole batch is
+        seeded with seed + i, whichever replica serves it, so a run repeats exactly."""
+        return params if params.seed is None else dataclasses.replace(params,
+                                                                       seed=params.seed + first)
 
     async def evaluate(self) -> float:
         prompts = task.eval_prompts(self.cfg.task)
@@ -180,7 +188,9 @@ class Loop:
             await self._readings("generate")
             generating = clock()
             prompts = task.sample_prompts(cfg.task, cfg.grpo.prompts_per_step, self.rng)
-            tokens, completions = await self.generate(prompts, self.sampling,
+            sampling = dataclasses.replace(self.sampling,
+                                           seed=cfg.run.seed * 1_000_003 + index * 10_007)
+            tokens, completions = await self.generate(prompts, sampling,
                                                       cfg.grpo.group_size)
         generated = clock()
         texts = [p for p in prompts for _ in range(cfg.grpo.group_size)]
