@@ -46,7 +46,7 @@ class ModelConfig:
     intermediate_size: int = 128
     max_positions: int = 32
     init_std: float = 0.1  # initializer_range: at 0.02 (transformers' default) the toy
-    # task learns about half as fast (eval 0.46 at step 300, vs 0.61 at 150 with 0.1)
+    # task learns about half as fast (eval 0.46 at step 300; 0.87 with 0.1)
     seed: int = 0
 
     def __post_init__(self) -> None:
