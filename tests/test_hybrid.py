@@ -100,3 +100,19 @@ async def test_a_killed_rank_fails_the_replica_with_a_clear_error_and_nothing_ha
     with pytest.raises(ServiceUnavailableError, match=r"(?s)vllm.*failed.*spawn the service"):
         await asyncio.wait_for(vllm_gen.generate.route(PROMPTS, GREEDY), 90)
     assert vllm_gen.replicas[0].health is Health.FAILED
+
+
+async def test_a_replica_that_lost_a_rank_is_respawned_whole_and_serves_again(
+        colocate_runtime, model_dir):
+    """With respawn (the default), the 2-rank replica comes back on new procs for the same
+    slots, its ranks in a new torch.distributed world, and the call is retried there."""
+    vllm_gen = await spawn_service(ServiceConfig(procs_per_host=2, resource_group="rl"),
+                                   GeneratorActor, model_dir, engine="vllm", name="vllm",
+                                   data_parallel_size=2)
+    before = await vllm_gen.generate.route(PROMPTS, GREEDY)
+    infos = await vllm_gen.replicas[0].actors.describe.call()
+    os.kill([info.pid for _, info in infos.items()][1], signal.SIGKILL)
+    after = await asyncio.wait_for(vllm_gen.generate.route(PROMPTS, GREEDY), 300)
+    assert after == before
+    replica = vllm_gen.replicas[0]
+    assert replica.respawned == 1 and replica.health is Health.HEALTHY
