@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from procenv import environ
 
 try:  # the GPU machine runs tests/gpu in plain processes, without Monarch
     import monarch  # noqa: F401
@@ -22,17 +23,9 @@ except ImportError:
 def run_isolated(fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None) -> Any:
     """Run `fn(*args)` in a new spawned Python process (with `env` added to its
     environment) and return its result."""
-    saved = {key: os.environ.get(key) for key in env or {}}
-    os.environ.update(env or {})
-    try:
+    with environ(env):
         pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         future = pool.submit(fn, *args)  # the worker starts here, with `env`
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key)
-            else:
-                os.environ[key] = value
     with pool:
         return future.result()
 

@@ -10,7 +10,6 @@ hook modes, as its own tests do, giving the environment that starts a process in
 from __future__ import annotations
 
 import multiprocessing
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from procenv import environ
 
 from colocate import memory
 
@@ -62,19 +62,11 @@ def run_on_each_gpu(gpus: list[str], fn: Callable[..., Any], *args: Any,
     try:
         for uuid in gpus:
             child = {**(env or {}), "CUDA_VISIBLE_DEVICES": uuid}
-            with _environ:  # a spawned worker starts at submit, with os.environ as it is then
-                saved = {key: os.environ.get(key) for key in child}
-                os.environ.update(child)
-                try:
-                    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-                    pools.append(pool)
-                    futures.append(pool.submit(fn, *args))
-                finally:
-                    for key, value in saved.items():
-                        if value is None:
-                            os.environ.pop(key)
-                        else:
-                            os.environ[key] = value
+            # a spawned worker starts at submit, with os.environ as it is then
+            with _environ, environ(child):
+                pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+                pools.append(pool)
+                futures.append(pool.submit(fn, *args))
         return [future.result() for future in futures]
     finally:
         for pool in pools:
