@@ -286,18 +286,31 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     started = time.monotonic()
-    syncs = [asyncio.run(sync_part(parallel, args)) for parallel in parallels]
+    # the parts, one tick each (a part's own bar starts once its procs are up)
+    overall = tqdm(total=len(parallels) + 2 * len(step_parallels) + bool(step_parallels),
+                   desc="bench hybrid", unit="part")
+    syncs = []
+    for parallel in parallels:
+        overall.set_postfix_str(f"sync, {parallel}")
+        syncs.append(asyncio.run(sync_part(parallel, args)))
+        overall.update()
     steps: dict[str, dict[str, Any]] = {}
     for parallel in step_parallels:
         mode_args = argparse.Namespace(
             steps=args.steps, warmup=args.warmup, interval_ms=args.interval_ms,
             out=args.out.parent / parallel / "results.json",
             overrides=[*DEFAULTS, *args.overrides, f"trainer.parallel={parallel}"])
-        steps[parallel] = {name: asyncio.run(rl_step.run_mode(name, mode_args))
-                           for name in rl_step.MODES}
+        steps[parallel] = {}
+        for name in rl_step.MODES:
+            overall.set_postfix_str(f"RL step, {parallel}, {name}")
+            steps[parallel][name] = asyncio.run(rl_step.run_mode(name, mode_args))
+            overall.update()
     if steps:
+        overall.set_postfix_str("baselines")
         asyncio.run(rl_step.baselines([proc for modes in steps.values()
                                        for mode in modes.values() for proc in mode["procs"]]))
+        overall.update()
+    overall.close()
     results: dict[str, Any] = {}
     for parallel, modes in steps.items():
         for mode in tqdm(modes.values(), desc=f"peaks {parallel}", unit="mode"):
