@@ -136,7 +136,10 @@ class VLLMGenerator:
         self._ensure_awake(("weights",), "load_weights")
         stream = weights if isinstance(weights, WeightStream) else WeightStream.of(weights)
         self._rpc("colocate_check_weights", {n: s for n, (s, _) in stream.specs.items()})
-        written = sum(self._rpc("colocate_load_weights", bucket) for bucket in stream.buckets())
+        written = 0
+        for bucket in stream.buckets():
+            written += self._rpc("colocate_load_weights", bucket)
+            del bucket  # gone before the next bucket is made (gathered)
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         return written
 

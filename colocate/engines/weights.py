@@ -67,12 +67,16 @@ class WeightStream:
     def of(cls, named: Iterable[tuple[str, torch.Tensor]]) -> WeightStream:
         """A stream of one bucket over tensors that already exist."""
         pairs = list(named)
-        return cls({name: (tuple(t.shape), t.dtype) for name, t in pairs}, lambda: iter([pairs]))
+        return cls({name: (tuple(t.shape), t.dtype) for name, t in pairs},
+                   lambda: iter([list(pairs)]))
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every (name, tensor), bucket after bucket."""
+        """Every (name, tensor), bucket after bucket; each is let go as it is handed over,
+        so a bucket is gone before the next one is made (gathered)."""
         for bucket in self.buckets():
-            yield from bucket
+            bucket.reverse()
+            while bucket:
+                yield bucket.pop()
 
 
 def check_weights(own: dict[str, tuple[int, ...]], given: dict[str, tuple[int, ...]],
