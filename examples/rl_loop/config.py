@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from colocate.engines.tiny import ARCHITECTURES
-from colocate.engines.trainer import PARALLEL
+from colocate.engines.trainer import BUCKET_MB, PARALLEL
 from examples.rl_loop.grpo import GRPOConfig
 from examples.rl_loop.task import TaskConfig
 
@@ -66,8 +66,11 @@ class TrainerConfig:
     parallel: str = "ddp"  # "ddp" or "fsdp" (FSDP2), when it spans several procs
     mixed_precision: bool = False  # fsdp: bf16 compute, fp32 gradient reduction
     activation_checkpointing: bool = False
+    bucket_mb: int = BUCKET_MB  # a weight sync moves full tensors this many MiB at a time
 
     def __post_init__(self) -> None:
+        if self.bucket_mb < 1:
+            raise ValueError(f"trainer.bucket_mb={self.bucket_mb}: must be >= 1")
         if self.parallel not in PARALLEL:
             raise ValueError(f"trainer.parallel={self.parallel!r}: use one of {PARALLEL}")
         if self.mixed_precision and self.parallel != "fsdp":
