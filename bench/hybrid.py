@@ -29,9 +29,8 @@ below: dim 512, 8 layers, 8 heads, 20 M parameters, 80 MiB in fp32).
    temporaries. The issue's bound: one bucket + the largest tensor. Max over rounds.
 3. One RL step's time split (generate, train, switch, sync) colocated (`run.colocate=true`:
    trainer and vLLM on the same 2 procs) vs split (`false`: 2 procs each), engine vllm,
-   2 slots: bench/rl_step.py's `run_mode`, means over `--steps` after `--warmup`. The RL
-   loop's trainer takes no `bucket_mb`, so its syncs use the trainer's default (256 MiB:
-   the whole model in one bucket).
+   2 slots: bench/rl_step.py's `run_mode`, means over `--steps` after `--warmup`, the
+   trainer's syncs in buckets of `--bucket-mb` too.
 4. Colocated peak memory / split peak, as bench/rl_step.py defines it (sum over procs of
    each proc's peak; (a) tagged bytes from the switch timeline, (b) anonymous RSS above a
    fresh proc's baseline, sampled every `--interval-ms`).
@@ -158,7 +157,8 @@ async def sync_part(parallel: str, args: argparse.Namespace) -> dict[str, Any]:
     from examples.rl_loop.loop import model_dir
     from services import ServiceConfig, spawn_service, sync_weights
 
-    cfg = load_config(overrides=[*DEFAULTS, *args.overrides, f"trainer.parallel={parallel}"])
+    cfg = load_config(overrides=[*DEFAULTS, *args.overrides, f"trainer.parallel={parallel}",
+                                 f"trainer.bucket_mb={args.bucket_mb}"])
     out = args.out.parent / parallel / "sync"
     directory = str(model_dir(cfg, out))
     tp = cfg.generator.tensor_parallel_size
@@ -168,8 +168,7 @@ async def sync_part(parallel: str, args: argparse.Namespace) -> dict[str, Any]:
         bar = tqdm(total=args.rounds + 1, desc=f"sync {parallel}", unit="sync")
         trainer = await spawn_service(
             ServiceConfig(procs_per_host=slots, resource_group="rl", respawn=False),
-            TrainerActor, directory, name="trainer", bucket_mb=args.bucket_mb,
-            **vars(cfg.trainer))
+            TrainerActor, directory, name="trainer", **vars(cfg.trainer))
         generator = await spawn_service(
             ServiceConfig(procs_per_host=slots, resource_group="rl"), GeneratorActor,
             directory, name="generator", engine="vllm", tensor_parallel_size=tp,
@@ -299,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         mode_args = argparse.Namespace(
             steps=args.steps, warmup=args.warmup, interval_ms=args.interval_ms,
             out=args.out.parent / parallel / "results.json",
-            overrides=[*DEFAULTS, *args.overrides, f"trainer.parallel={parallel}"])
+            overrides=[*DEFAULTS, *args.overrides, f"trainer.parallel={parallel}",
+                       f"trainer.bucket_mb={args.bucket_mb}"])
         steps[parallel] = {}
         for name in rl_step.MODES:
             overall.set_postfix_str(f"RL step, {parallel}, {name}")
