@@ -4,10 +4,16 @@ A `TenantActor` is a colocated actor (trainer, generator...) whose memory lives 
 `colocate.memory` tags, one per stage; the arbiter reaches it through its own mailbox, so
 a sleep is ordered after the tenant's in-flight work. Tenant endpoints are sync, so a
 subclass's endpoints must be sync too (Monarch does not mix the two in one class).
+
+`remote_errors()` lets a caller catch the runtime's own errors (`TagPausedError`...) around
+a direct actor call, which Monarch delivers wrapped in its `ActorError`.
 """
 
 from __future__ import annotations
 
+import logging
+import pickle
+import traceback
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -18,14 +24,40 @@ from monarch.actor import Actor, ActorError, concurrent_endpoint, current_actor_
 from colocate.arbiter.core import ArbiterConfig, SlotArbiter
 from colocate.arbiter.tenant import TaggedTenant, TenantInfo
 
+logger = logging.getLogger(__name__)
 
-class TenantActor(Actor):
+
+class _KeepsInitError(type(Actor)):
+    """Metaclass of `TenantActor`: an exception from a tenant's `__init__` is kept on a bare
+    instance, for its `started()` endpoint to raise, instead of failing the actor.
+
+    Monarch 0.7.0 refuses every later spawn on a proc where an actor failed ("Cannot spawn
+    new actors on mesh with supervision events": meta-pytorch/monarch#1454; an `__init__`
+    failure is an actor failure since monarch#2049), so one tenant's bad argument would
+    take its procs away from every tenant spawned after it. Kept, the error reaches the
+    spawner as an ordinary endpoint error, and the actor is stopped cleanly.
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as err:
+            traceback.clear_frames(err.__traceback__)  # lets go of what __init__ made
+            instance = cls.__new__(cls)
+            instance.__dict__["_init_error"] = err
+            return instance
+
+
+class TenantActor(Actor, metaclass=_KeepsInitError):
     """Base class of actors that time-share their slots.
 
     `stages` maps each stage, in wake order, to whether its contents survive a sleep
     (weights: True; caches: False). Allocate a stage's memory inside
     `with self.tenancy.region(stage):`, or hand existing tensors to `self.tenancy.adopt`.
     Call `self.tenancy.ensure_awake()` before computing.
+
+    An exception raised by `__init__` is raised by `started()`, which `rm.spawn` calls
+    before registering the tenant: the spawn fails with it and the proc stays usable.
     """
 
     stages: ClassVar[dict[str, bool]] = {"state": True}
@@ -40,8 +72,21 @@ class TenantActor(Actor):
         if "_tenancy" not in self.__dict__:
             prefix = self.tenant_name
             self._tenancy = TaggedTenant({s: f"{prefix}/{s}" for s in self.stages},
-                                         backup=dict(self.stages))
+                                         backup=dict(self.stages), name=prefix)
         return self._tenancy
+
+    @endpoint
+    def started(self) -> None:
+        """Raise what `__init__` raised, if it did (the exception itself, or its type and
+        message when it would not survive the trip to the caller)."""
+        err = self.__dict__.get("_init_error")
+        if err is None:
+            return
+        try:
+            pickle.loads(pickle.dumps(err))
+        except Exception:
+            raise RuntimeError(f"{type(err).__name__}: {err}") from None
+        raise err
 
     @endpoint
     def sleep(self, stages: list[str] | None = None) -> int:
@@ -66,7 +111,17 @@ class TenantActor(Actor):
 @asynccontextmanager
 async def remote_errors() -> AsyncIterator[None]:
     """Raise the exception a remote actor raised, not Monarch's wrapper around it (whose
-    message carries the remote traceback)."""
+    message carries the remote traceback), so that it can be caught by its own type:
+
+        from colocate import remote_errors
+        from colocate.memory import TagPausedError
+
+        try:
+            async with remote_errors():
+                await tenant.checksum.call_one()
+        except TagPausedError:
+            ...  # asleep: wake it with phase(...) first
+    """
     try:
         yield
     except ActorError as err:
@@ -109,6 +164,14 @@ class Arbiter(Actor):
 
     def __init__(self, slots: list[int], config: ArbiterConfig | None = None) -> None:
         self.core = SlotArbiter(slots, config)
+
+    def _handle_undeliverable_message(self, message: Any) -> bool:
+        """A message to a tenant whose actor or proc died: the call that sent it fails on
+        its own (or times out), and the slot is rolled back. Handled here, so it does not
+        fail the arbiter, which Monarch does with an unhandled one."""
+        logger.warning("arbiter: a message to a tenant was undeliverable: %s",
+                       message.error_msg() if hasattr(message, "error_msg") else message)
+        return True
 
     @concurrent_endpoint
     async def register(self, slot: int, name: str, actor: Any) -> TenantInfo:

@@ -35,6 +35,7 @@ from colocate.arbiter.errors import ArbiterError
 from colocate.resources.hosts import HostJob, start_hosts
 from colocate.resources.hosts import gpus_per_host as detect_gpus
 from colocate.resources.packing import Inventory, Placement, ResourceError, ResourceRequest
+from colocate.resources.spawning import check_importable, check_started
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ class ResourceManager:
         self.failed: set[str] = set()  # spawned meshes whose actors died
         self.failure_listeners: list[Callable[[str, str], None]] = []
         self.extra_procs: list[tuple[Any, list[int]]] = []  # replacement procs, their pids
+        self._abandoned: set[str] = set()  # full mesh names of spawns that failed
         self.arbiter_config = arbiter_config
         self._arbiter_procs: Any = None
         self.arbiters: Any = None
@@ -135,6 +137,8 @@ class ResourceManager:
         mesh = getattr(failure, "mesh_name", "")
         tenant = mesh.rsplit("-", 1)[0]
         logger.warning("mesh failure: %s", str(failure).splitlines()[0])
+        if mesh in self._abandoned:  # a failed spawn's actors, already undone
+            return
         if tenant in self.spawned and tenant not in self.failed:
             self.failed.add(tenant)
             for listener in self.failure_listeners:
@@ -221,13 +225,34 @@ class ResourceManager:
     async def spawn(self, name: str, actor_class: type[Actor], allocation: Allocation,
                     *args: Any, **kwargs: Any) -> Any:
         """Spawn `actor_class` on the allocation's procs. A `TenantActor` is registered with
-        its hosts' arbiters (and put to sleep where another tenant is awake)."""
+        its hosts' arbiters (and put to sleep where another tenant is awake).
+
+        An actor that cannot start (its class does not import in the procs, a tenant's
+        `__init__` raises, its process dies) raises one `SpawnError` naming it and the
+        original exception; what the spawn made is undone (its actors stopped, the name
+        free again, the allocation given back), and the arbiters and the other tenants go
+        on. A tenant is asked from here whether it started before any arbiter calls it."""
         if name in self.spawned:
             raise ArbiterError(f"actors named {name!r} already exist; names are unique")
+        try:
+            await check_importable(allocation.procs, name, actor_class)
+        except BaseException:
+            self._give_back(allocation)
+            raise
         actors = allocation.procs.spawn(name, actor_class, *args, **kwargs)
         self.spawned.add(name)
-        if not issubclass(actor_class, TenantActor):
-            return actors
+        try:
+            if issubclass(actor_class, TenantActor):
+                await check_started(actors, name, actor_class, list(allocation.slots),
+                                    allocation.group)
+                await self._register(name, actors, allocation)
+        except BaseException:
+            await self._undo_spawn(name, actors, allocation)
+            raise
+        return actors
+
+    async def _register(self, name: str, actors: Any, allocation: Allocation) -> None:
+        """Register a started tenant with the arbiters of its slots (on all or on none)."""
         self.tenants[name] = list(allocation.slots)
         per_host = allocation.procs_per_host
         try:
@@ -239,11 +264,35 @@ class ResourceManager:
         except BaseException:  # registered nowhere, or everywhere it was undone
             await asyncio.gather(*(self.arbiter(host).unregister.call_one(name, [slot])
                                    for host, slot in allocation.slots), return_exceptions=True)
-            self.tenants.pop(name)
             raise
         self.stages[name] = infos[0].stages
         await self._refresh()
-        return actors
+
+    async def _undo_spawn(self, name: str, actors: Any, allocation: Allocation,
+                          grace_s: float = 5.0) -> None:
+        """Forget a spawn that failed: its tables, its name, its actors, its allocation.
+        Faults its mesh reports later are ignored (`on_fault`)."""
+        for table in (self.tenants, self.stages, self.awake):
+            table.pop(name, None)
+        try:  # Monarch's full mesh name (name-<id>), which its late faults carry
+            self._abandoned.add(await asyncio.wait_for(actors._name, grace_s))
+        except Exception:
+            pass
+        self.spawned.discard(name)
+        self.failed.discard(name)
+        try:
+            await asyncio.wait_for(actors.stop(), grace_s)
+        except Exception as err:  # its procs died
+            logger.warning("stopping the actors of failed spawn %r: %s", name,
+                           str(err).splitlines()[0] if str(err) else type(err).__name__)
+        self._give_back(allocation)
+
+    def _give_back(self, allocation: Allocation) -> None:
+        """`free` an allocation of the group's own procs; one on replacement procs
+        (`replace_procs`) stands for slots its owner still holds, so it stays."""
+        if allocation.group in self.groups and not any(
+                allocation.procs is procs for procs, _ in self.extra_procs):
+            self.free(allocation)
 
     async def remove(self, name: str, actors: Any) -> None:
         """Stop spawned actors (unless they died) and forget them; their procs stay."""
