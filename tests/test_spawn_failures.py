@@ -154,3 +154,4 @@ async def test_the_arbiter_survives_a_tenant_that_died_under_it():
         for name, actors in (("victim", victim), ("other", other)):
             await rm.remove(name, actors)
         await still_switches(rm, a, procs=1)  # the same arbiter serves slot 1
+

@@ -11,7 +11,6 @@ a direct actor call, which Monarch delivers wrapped in its `ActorError`.
 
 from __future__ import annotations
 
-import logging
 import pickle
 import traceback
 from collections.abc import AsyncIterator, Sequence
@@ -23,8 +22,6 @@ from monarch.actor import Actor, ActorError, concurrent_endpoint, current_actor_
 
 from colocate.arbiter.core import ArbiterConfig, SlotArbiter
 from colocate.arbiter.tenant import TaggedTenant, TenantInfo
-
-logger = logging.getLogger(__name__)
 
 
 class _KeepsInitError(type(Actor)):
@@ -164,14 +161,6 @@ class Arbiter(Actor):
 
     def __init__(self, slots: list[int], config: ArbiterConfig | None = None) -> None:
         self.core = SlotArbiter(slots, config)
-
-    def _handle_undeliverable_message(self, message: Any) -> bool:
-        """A message to a tenant whose actor or proc died: the call that sent it fails on
-        its own (or times out), and the slot is rolled back. Handled here, so it does not
-        fail the arbiter, which Monarch does with an unhandled one."""
-        logger.warning("arbiter: a message to a tenant was undeliverable: %s",
-                       message.error_msg() if hasattr(message, "error_msg") else message)
-        return True
 
     @concurrent_endpoint
     async def register(self, slot: int, name: str, actor: Any) -> TenantInfo:

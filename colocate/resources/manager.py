@@ -280,11 +280,7 @@ class ResourceManager:
             pass
         self.spawned.discard(name)
         self.failed.discard(name)
-        try:
-            await asyncio.wait_for(actors.stop(), grace_s)
-        except Exception as err:  # its procs died
-            logger.warning("stopping the actors of failed spawn %r: %s", name,
-                           str(err).splitlines()[0] if str(err) else type(err).__name__)
+        await self._stop_actors(name, actors, grace_s)
         self._give_back(allocation)
 
     def _give_back(self, allocation: Allocation) -> None:
@@ -294,8 +290,9 @@ class ResourceManager:
                 allocation.procs is procs for procs, _ in self.extra_procs):
             self.free(allocation)
 
-    async def remove(self, name: str, actors: Any) -> None:
-        """Stop spawned actors (unless they died) and forget them; their procs stay."""
+    async def remove(self, name: str, actors: Any, grace_s: float = 5.0) -> None:
+        """Stop spawned actors (unless they died) and forget them; their procs stay. A
+        stop that does not end within `grace_s` (its proc died unseen) is left behind."""
         if name in self.tenants:
             async with remote_errors():
                 await asyncio.gather(*(self.arbiter(h).unregister.call_one(name, slots)
@@ -304,7 +301,16 @@ class ResourceManager:
             table.pop(name, None)
         self.spawned.discard(name)
         if name not in self.failed:
-            await actors.stop()
+            await self._stop_actors(name, actors, grace_s)
+
+    @staticmethod
+    async def _stop_actors(name: str, actors: Any, grace_s: float) -> None:
+        try:
+            await asyncio.wait_for(actors.stop(), grace_s)
+        except Exception as err:  # a timeout: Monarch waits 30 s on a dead proc
+            logger.warning("the actors of %r did not stop within %s s (%s); left behind",
+                           name, grace_s, str(err).splitlines()[0] if str(err) else
+                           type(err).__name__)
 
     def _by_host(self, name: str) -> dict[int, list[int]]:
         if name not in self.tenants:
