@@ -183,3 +183,19 @@ async def test_phase_without_a_runtime_says_how_to_start_one():
     with pytest.raises(ResourceError, match="no runtime is running"):
         async with phase("a"):
             pass
+
+
+async def test_a_sleeping_tenant_says_how_to_wake_it_and_its_error_can_be_caught():
+    from colocate import remote_errors
+    from colocate.memory import TagPausedError
+
+    async with start_runtime(gpus_per_host=1) as rm:
+        request = ResourceRequest("rl", 1, 1)
+        actor = await rm.spawn("actor", MemoryTenant, await rm.allocate(request, "actor"), 4)
+        await rm.spawn("other", MemoryTenant, await rm.allocate(request, "other"), 4)
+        await rm.wake("other")
+        with pytest.raises(TagPausedError, match=r"tenant 'actor' is asleep.*"
+                           r"phase\('actor'\).*rm\.wake\('actor'\)") as info:
+            async with remote_errors():  # the runtime's own error, caught by its type
+                await actor.checksum.call_one()
+        assert "resume(" not in str(info.value)
