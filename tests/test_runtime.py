@@ -199,3 +199,22 @@ async def test_a_sleeping_tenant_says_how_to_wake_it_and_its_error_can_be_caught
             async with remote_errors():  # the runtime's own error, caught by its type
                 await actor.checksum.call_one()
         assert "resume(" not in str(info.value)
+
+
+async def test_usage_gives_each_tenants_bytes_per_slot():
+    async with start_runtime(gpus_per_host=2) as rm:
+        await two_tenants(rm, mib=8)
+        await rm.wake("b")
+        usage = await rm.usage()
+        assert sorted(usage[0]) == [0, 1]
+        pids = set()
+        for slot in (0, 1):
+            a, b = usage[0][slot]["a"], usage[0][slot]["b"]
+            assert a.tagged_bytes == b.tagged_bytes == 2 * 8 * MiB  # weights + cache
+            assert (a.resident_bytes, b.resident_bytes) == (0, 2 * 8 * MiB)
+            assert (a.awake_stages, b.awake_stages) == ((), ("weights", "cache"))
+            assert a.pid == b.pid
+            pids.add(a.pid)
+        assert len(pids) == 2  # one proc per slot, each answering for its own slot
+        assert await rm.status() == {0: {s: {"a": [], "b": ["weights", "cache"]}
+                                         for s in (0, 1)}}  # status keeps its shape

@@ -32,6 +32,7 @@ from monarch.actor import Actor, default_bootstrap_cmd, endpoint
 from colocate.arbiter.actor import Arbiter, HostStatus, TenantActor, remote_errors
 from colocate.arbiter.core import ArbiterConfig
 from colocate.arbiter.errors import ArbiterError
+from colocate.arbiter.tenant import TenantInfo
 from colocate.resources.hosts import HostJob, start_hosts
 from colocate.resources.hosts import gpus_per_host as detect_gpus
 from colocate.resources.packing import Inventory, Placement, ResourceError, ResourceRequest
@@ -124,6 +125,7 @@ class ResourceManager:
         self.failure_listeners: list[Callable[[str, str], None]] = []
         self.extra_procs: list[tuple[Any, list[int]]] = []  # replacement procs, their pids
         self._abandoned: set[str] = set()  # full mesh names of spawns that failed
+        self._tenant_actors: dict[str, Any] = {}  # name -> its actor mesh, for usage()
         self.arbiter_config = arbiter_config
         self._arbiter_procs: Any = None
         self.arbiters: Any = None
@@ -266,13 +268,14 @@ class ResourceManager:
                                    for host, slot in allocation.slots), return_exceptions=True)
             raise
         self.stages[name] = infos[0].stages
+        self._tenant_actors[name] = actors
         await self._refresh()
 
     async def _undo_spawn(self, name: str, actors: Any, allocation: Allocation,
                           grace_s: float = 5.0) -> None:
         """Forget a spawn that failed: its tables, its name, its actors, its allocation.
         Faults its mesh reports later are ignored (`on_fault`)."""
-        for table in (self.tenants, self.stages, self.awake):
+        for table in (self.tenants, self.stages, self.awake, self._tenant_actors):
             table.pop(name, None)
         try:  # Monarch's full mesh name (name-<id>), which its late faults carry
             self._abandoned.add(await asyncio.wait_for(actors._name, grace_s))
@@ -297,7 +300,7 @@ class ResourceManager:
             async with remote_errors():
                 await asyncio.gather(*(self.arbiter(h).unregister.call_one(name, slots)
                                        for h, slots in self._by_host(name).items()))
-        for table in (self.tenants, self.stages, self.awake):
+        for table in (self.tenants, self.stages, self.awake, self._tenant_actors):
             table.pop(name, None)
         self.spawned.discard(name)
         if name not in self.failed:
@@ -432,6 +435,28 @@ class ResourceManager:
         self.extra_procs.append((procs, [value["pid"] for _, value in info.items()]))
         return Allocation(allocation.group, allocation.owner, procs, slots, allocation.hosts,
                           per_host)
+
+    async def usage(self) -> dict[int, dict[int, dict[str, TenantInfo | None]]]:
+        """host -> slot -> tenant -> its `TenantInfo` now: `resident_bytes` (held now),
+        `tagged_bytes` (held when fully awake), `awake_stages`, pid, device. Each tenant
+        answers for itself, from here; one that failed, or does not answer, is None."""
+        names = [n for n in self.tenants if n in self._tenant_actors]
+
+        async def ask(name: str) -> list[TenantInfo | None]:
+            if name in self.failed:
+                return [None] * len(self.tenants[name])
+            try:
+                found = await self._tenant_actors[name].describe.call()
+            except Exception:
+                return [None] * len(self.tenants[name])
+            return [info for _, info in found.items()]  # mesh order: the allocation's slots
+
+        answers = await asyncio.gather(*(ask(name) for name in names))
+        usage: dict[int, dict[int, dict[str, TenantInfo | None]]] = {}
+        for name, infos in zip(names, answers, strict=True):
+            for (host, slot), info in zip(self.tenants[name], infos, strict=True):
+                usage.setdefault(host, {}).setdefault(slot, {})[name] = info
+        return usage
 
     async def status(self) -> dict[int, HostStatus]:
         """host -> slot -> tenant -> awake stages ([] asleep, None unknown)."""
