@@ -42,6 +42,15 @@ class WrongStageTenant(TenantActor):
         return 1
 
 
+class QuittingTenant(TenantActor):
+    def __init__(self) -> None:
+        raise SystemExit("quitting")  # not an Exception: Monarch fails the actor
+
+    @endpoint
+    def ping(self) -> int:
+        return 1
+
+
 class ExitingTenant(TenantActor):
     def __init__(self) -> None:
         os._exit(3)
@@ -155,3 +164,22 @@ async def test_the_arbiter_survives_a_tenant_that_died_under_it():
             await rm.remove(name, actors)
         await still_switches(rm, a, procs=1)  # the same arbiter serves slot 1
 
+
+
+async def test_procs_that_refuse_new_actors_say_so_and_how_to_get_them_back():
+    async with start_runtime(gpus_per_host=2) as rm:
+        a = await spawn_memory(rm, "a", group="rl", procs=1)
+        request = ResourceRequest("spoiled", 1, 1)
+        with pytest.raises(SpawnError, match=r"'quitting'.*failed to start: .*quitting") as info:
+            await rm.spawn("quitting", QuittingTenant, await rm.allocate(request, "quitting"))
+        assert info.value.procs_lost
+        with pytest.raises(SpawnError, match=r"cannot spawn 'next'.*take no new actor.*"
+                           r"rm.release\('spoiled'\)") as info:
+            await spawn_memory(rm, "next", group="spoiled", procs=1)
+        assert info.value.procs_lost and "next" not in rm.spawned
+        await rm.release("spoiled")
+        c = await spawn_memory(rm, "c", group="spoiled", procs=1)
+        await rm.wake("c")
+        assert len(values(await c.checksum.call())) == 1
+        await rm.wake("a")
+        assert len(values(await a.checksum.call())) == 1

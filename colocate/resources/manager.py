@@ -237,7 +237,8 @@ class ResourceManager:
         if name in self.spawned:
             raise ArbiterError(f"actors named {name!r} already exist; names are unique")
         try:
-            await check_importable(allocation.procs, name, actor_class)
+            await check_importable(allocation.procs, name, actor_class,
+                                   list(allocation.slots), allocation.group)
         except BaseException:
             self._give_back(allocation)
             raise

@@ -67,15 +67,19 @@ def _module_root(module: str) -> str | None:
     return root
 
 
-async def check_importable(procs: Any, name: str, actor_class: type) -> None:
+async def check_importable(procs: Any, name: str, actor_class: type,
+                           slots: list[tuple[int, int]], group: str) -> None:
     """Raise `SpawnError` unless every proc of `procs` can load `actor_class` (procs load
     a class by its module, unless it was defined in `__main__` or inside a function)."""
     pickled = cloudpickle.dumps(actor_class)
-    probe = procs.spawn("import_probe", ImportProbe)
     try:
+        probe = procs.spawn("import_probe", ImportProbe)
         found = await probe.load.call(pickled)
-    finally:
-        await probe.stop()
+    except Exception as err:  # the procs take no actor at all
+        cause, _, _ = _remote_cause(str(err))
+        raise SpawnError(f"cannot spawn {name!r}: {cause}. " + _lost(slots, group), name,
+                         cause, procs_lost=True) from err
+    await probe.stop()
     failures = sorted({error for _, error in found.items() if error})
     if not failures:
         return
@@ -124,9 +128,13 @@ async def check_started(actors: Any, name: str, actor_class: type,
     except Exception as err:  # its process died, or Monarch failed the actor
         cause, exception_type, exception_message = _remote_cause(str(err))
         raise SpawnError(
-            f"tenant {name!r} ({_qualified(actor_class)}) failed to start: {cause}. Its procs "
-            f"(host, slot) {sorted(slots)} take no new actor now (the process died, or "
-            "Monarch refuses a proc where an actor failed): to use those slots again, "
-            f"rm.release({group!r}) and allocate anew. The arbiters and the tenants of "
-            "other procs go on; the name can be spawned again.",
+            f"tenant {name!r} ({_qualified(actor_class)}) failed to start: {cause}. "
+            + _lost(slots, group) + " The name can be spawned again.",
             name, cause, exception_type, exception_message, procs_lost=True) from err
+
+
+def _lost(slots: list[tuple[int, int]], group: str) -> str:
+    return (f"Its procs, (host, slot) {sorted(slots)}, take no new actor now (the process "
+            "died, or Monarch refuses a proc where an actor failed): to use those slots "
+            f"again, rm.release({group!r}) and allocate anew. The arbiters and the tenants "
+            "of other procs go on.")
