@@ -218,3 +218,12 @@ async def test_usage_gives_each_tenants_bytes_per_slot():
         assert len(pids) == 2  # one proc per slot, each answering for its own slot
         assert await rm.status() == {0: {s: {"a": [], "b": ["weights", "cache"]}
                                          for s in (0, 1)}}  # status keeps its shape
+
+
+def test_help_shows_a_tenants_endpoints_with_their_docstrings():
+    import pydoc
+
+    text = pydoc.render_doc(MemoryTenant, renderer=pydoc.plaintext)
+    assert "endpoint checksum() -> 'str'" in text
+    assert "The weights' SHA-256; raises TagPausedError while asleep." in text
+    assert "endpoint use_cache(value: 'float') -> 'float'" in text

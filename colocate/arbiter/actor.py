@@ -11,6 +11,7 @@ a direct actor call, which Monarch delivers wrapped in its `ActorError`.
 
 from __future__ import annotations
 
+import inspect
 import pickle
 import traceback
 from collections.abc import AsyncIterator, Sequence
@@ -18,6 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from monarch._src.actor.endpoint import EndpointProperty
 from monarch.actor import Actor, ActorError, concurrent_endpoint, current_actor_name, endpoint
 
 from colocate.arbiter.core import ArbiterConfig, SlotArbiter
@@ -35,6 +37,10 @@ class _KeepsInitError(type(Actor)):
     spawner as an ordinary endpoint error, and the actor is stopped cleanly.
     """
 
+    def __init__(cls, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _document_endpoints(cls)
+
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().__call__(*args, **kwargs)
@@ -43,6 +49,21 @@ class _KeepsInitError(type(Actor)):
             instance = cls.__new__(cls)
             instance.__dict__["_init_error"] = err
             return instance
+
+
+def _document_endpoints(cls: type) -> None:
+    """Give each endpoint of `cls` its method's signature and docstring, so that `help()`
+    shows them (Monarch's endpoint objects carry neither)."""
+    for name, value in vars(cls).items():
+        method = getattr(value, "_method", None)
+        if isinstance(value, EndpointProperty) and method is not None:
+            try:
+                signature = inspect.signature(method)
+                signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+            except (TypeError, ValueError):
+                signature = "(...)"
+            doc = inspect.getdoc(method)
+            value.__doc__ = f"endpoint {name}{signature}" + (f"\n\n{doc}" if doc else "")
 
 
 class TenantActor(Actor, metaclass=_KeepsInitError):
