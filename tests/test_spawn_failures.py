@@ -51,6 +51,15 @@ class QuittingTenant(TenantActor):
         return 1
 
 
+class FailsAtSleep(MemoryTenant):
+    """Its actor (not its proc) fails when put to sleep: SystemExit is not an exception
+    Monarch hands to the caller; it fails the actor."""
+
+    @endpoint
+    def sleep(self, stages: list[str] | None = None) -> int:
+        raise SystemExit("failing instead of sleeping")
+
+
 class ExitingTenant(TenantActor):
     def __init__(self) -> None:
         os._exit(3)
@@ -183,3 +192,14 @@ async def test_procs_that_refuse_new_actors_say_so_and_how_to_get_them_back():
         assert len(values(await c.checksum.call())) == 1
         await rm.wake("a")
         assert len(values(await a.checksum.call())) == 1
+
+
+async def test_the_arbiter_survives_a_tenant_actor_that_failed_under_it():
+    async with start_runtime(gpus_per_host=2) as rm:
+        request = ResourceRequest("lost", 1, 1)
+        await rm.spawn("failing", FailsAtSleep, await rm.allocate(request, "failing"), 4)
+        await spawn_memory(rm, "asleep", group="lost", procs=1)
+        a = await spawn_memory(rm, "a", group="rl", procs=1)
+        with pytest.raises(Exception, match="failing"):
+            await rm.wake("asleep")  # its actor fails as the arbiter calls it
+        await still_switches(rm, a, procs=1)  # the same arbiter serves slot 1

@@ -23,6 +23,7 @@ from monarch._src.actor.endpoint import EndpointProperty
 from monarch.actor import Actor, ActorError, concurrent_endpoint, current_actor_name, endpoint
 
 from colocate.arbiter.core import ArbiterConfig, SlotArbiter
+from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.tenant import TaggedTenant, TenantInfo
 
 
@@ -148,26 +149,40 @@ async def remote_errors() -> AsyncIterator[None]:
 
 @dataclass
 class ActorTenantHandle:
-    """Reaches one tenant actor on one proc (a one-proc slice of its actor mesh)."""
+    """Reaches one tenant actor on one proc (a one-proc slice of its actor mesh).
+
+    A call that fails other than by the endpoint's own exception (Monarch reports the
+    actor or its proc failed) marks the tenant lost, and later calls raise at once without
+    sending: in Monarch 0.7.0 a message to a failed actor comes back undeliverable and
+    fails the sender, the arbiter itself, whatever `_handle_undeliverable_message` says.
+    """
 
     name: str
     actor: Any
+    lost: str | None = None  # why, once a call found the tenant's actor or proc failed
+
+    async def _call(self, endpoint: str, *args: Any) -> Any:
+        if self.lost is not None:
+            raise ArbiterError(f"tenant {self.name!r} is lost ({self.lost}); not called again")
+        try:
+            return await getattr(self.actor, endpoint).call_one(*args)
+        except ActorError as err:  # the endpoint raised: the tenant is fine
+            raise err.exception from None
+        except Exception as err:
+            self.lost = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+            raise
 
     async def sleep(self, stages: Sequence[str] | None = None) -> int:
-        async with remote_errors():
-            return await self.actor.sleep.call_one(None if stages is None else list(stages))
+        return await self._call("sleep", None if stages is None else list(stages))
 
     async def wake(self, stages: Sequence[str]) -> None:
-        async with remote_errors():
-            await self.actor.wake.call_one(list(stages))
+        await self._call("wake", list(stages))
 
     async def describe(self) -> TenantInfo:
-        async with remote_errors():
-            return await self.actor.describe.call_one()
+        return await self._call("describe")
 
     async def receive(self, source: str) -> int:
-        async with remote_errors():
-            return await self.actor.receive.call_one(source)
+        return await self._call("receive", source)
 
 
 HostStatus = dict[int, dict[str, list[str] | None]]  # slot -> tenant -> awake stages
