@@ -1,6 +1,6 @@
 """Run the colocation runtime in your own tests: fixtures and tenants with known contents.
 
-In a conftest.py: ``pytest_plugins = ["colocate.testing"]``, then
+In a conftest.py (or a test module): ``pytest_plugins = ["colocate.testing"]``, then
 
     async def test_switch(colocate_runtime):
         alloc = await colocate_runtime.allocate(ResourceRequest("rl", 1, 2), owner="a")
@@ -8,15 +8,18 @@ In a conftest.py: ``pytest_plugins = ["colocate.testing"]``, then
 
 `colocate_runtime` starts the runtime on this machine (its GPUs, or 2 virtual slots
 without GPUs) and shuts it down after the test. `start_runtime(...)` does the same for
-other shapes (`scheduler="processes", hosts=2`...).
+other shapes (`scheduler="processes", hosts=2`...). An `async def` test that asks for one
+of these fixtures runs on asyncio as it is: no `asyncio_mode` setting or
+`@pytest.mark.asyncio` needed (other async tests are left to the project's own set-up).
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -44,6 +47,26 @@ async def start_runtime(scheduler: Any = "local", hosts: int = 1,
 
 def _default_slots() -> int:
     return min(gpus_per_host(), 8) or 2
+
+
+FIXTURES = ("colocate_runtime", "slot_device")  # what marks an async test as ours
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pycollect_makeitem(collector: Any, name: str, obj: object) -> Generator[Any, Any, Any]:
+    """Mark an `async def` test that asks for a fixture of this plugin `asyncio`, before
+    pytest-asyncio looks at it: in its default (strict) mode it runs only marked tests."""
+    if inspect.iscoroutinefunction(obj) and _asks_for_ours(obj) and not any(
+            mark.name == "asyncio" for mark in getattr(obj, "pytestmark", ())):
+        pytest.mark.asyncio(obj)
+    return (yield)
+
+
+def _asks_for_ours(function: Any) -> bool:
+    try:
+        return any(name in FIXTURES for name in inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # no signature to read
+        return False
 
 
 @pytest_asyncio.fixture

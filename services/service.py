@@ -98,6 +98,11 @@ class Service:
         return [r for r in self.replicas if r.health is Health.HEALTHY and not r.draining
                 and r.index not in exclude and self.rm.routable(r.tenant)]
 
+    def _how_to_wake(self) -> str:
+        return (f"Wake it for the calls: `async with phase(service):` around them (this "
+                f"service is {self.name!r}; `phase` is colocate.phase), or let calls wake it "
+                "with ServiceConfig(when_asleep='wake').")
+
     def _awake_elsewhere(self) -> str:
         awake = sorted(n for n, up in self.rm.awake.items() if up)
         return ", ".join(awake) or "nothing"
@@ -133,7 +138,8 @@ class Service:
                     f"service {self.name!r} has no healthy replica left: " + self.failures())
             if self.config.when_asleep == "fail":
                 raise ServiceAsleepError(f"service {self.name!r} has no awake replica; "
-                                         f"awake now: {self._awake_elsewhere()}")
+                                         f"awake now: {self._awake_elsewhere()}. "
+                                         + self._how_to_wake())
             if self.config.when_asleep == "wake" and not woken:
                 woken = True
                 await self.rm.wake(healthy[0].tenant)
@@ -141,7 +147,8 @@ class Service:
             if time.monotonic() > deadline:
                 raise ServiceAsleepError(
                     f"service {self.name!r}: no replica woke within "
-                    f"{self.config.wait_timeout_s} s; awake now: {self._awake_elsewhere()}")
+                    f"{self.config.wait_timeout_s} s; awake now: {self._awake_elsewhere()}. "
+                    + self._how_to_wake())
             await asyncio.sleep(POLL_S)
 
     def failures(self) -> str:

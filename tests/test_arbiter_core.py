@@ -341,3 +341,34 @@ def test_a_request_that_waits_too_long_for_its_slot_times_out(isolated):
     assert "waited 0.1 s for slot(s) [0]" in out["error"]
     assert out["status"] == {"other": [], "slow": ["weights"]}
     assert out["after"] == {"other": ["weights"], "slow": []}
+
+
+def tenant_messages_scenario() -> dict:
+    tenant = TaggedTenant({"policy": "actor/policy", "scratch": "actor/scratch"},
+                          backup={"policy": True, "scratch": False})
+    out = {}
+    try:
+        tenant.region("weights")
+    except KeyError as err:
+        out["unknown"] = (type(err).__name__, str(err))
+    with tenant.region("policy", device="cpu"):
+        weights = torch.ones(MiB // 4)
+    tenant.sleep()
+    for check in (tenant.ensure_awake, lambda: tenant.ensure_stage("policy")):
+        try:
+            check()
+        except memory.TagPausedError as err:
+            out.setdefault("asleep", []).append(str(err))
+    del weights
+    return out
+
+
+def test_tenant_errors_name_the_stage_and_how_to_wake_it(isolated):
+    out = isolated(tenant_messages_scenario)
+    assert out["unknown"] == ("UnknownStageError",
+                              "unknown stage 'weights'; stages: ['policy', 'scratch']")
+    assert len(out["asleep"]) == 2
+    for message in out["asleep"]:  # the arbiter's way, not the tag's low-level resume()
+        assert message.startswith("tenant 'actor' is asleep (its stage 'policy' is paused)")
+        assert "phase('actor')" in message and "rm.wake('actor')" in message
+        assert "resume(" not in message

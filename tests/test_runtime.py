@@ -183,3 +183,47 @@ async def test_phase_without_a_runtime_says_how_to_start_one():
     with pytest.raises(ResourceError, match="no runtime is running"):
         async with phase("a"):
             pass
+
+
+async def test_a_sleeping_tenant_says_how_to_wake_it_and_its_error_can_be_caught():
+    from colocate import remote_errors
+    from colocate.memory import TagPausedError
+
+    async with start_runtime(gpus_per_host=1) as rm:
+        request = ResourceRequest("rl", 1, 1)
+        actor = await rm.spawn("actor", MemoryTenant, await rm.allocate(request, "actor"), 4)
+        await rm.spawn("other", MemoryTenant, await rm.allocate(request, "other"), 4)
+        await rm.wake("other")
+        with pytest.raises(TagPausedError, match=r"tenant 'actor' is asleep.*"
+                           r"phase\('actor'\).*rm\.wake\('actor'\)") as info:
+            async with remote_errors():  # the runtime's own error, caught by its type
+                await actor.checksum.call_one()
+        assert "resume(" not in str(info.value)
+
+
+async def test_usage_gives_each_tenants_bytes_per_slot():
+    async with start_runtime(gpus_per_host=2) as rm:
+        await two_tenants(rm, mib=8)
+        await rm.wake("b")
+        usage = await rm.usage()
+        assert sorted(usage[0]) == [0, 1]
+        pids = set()
+        for slot in (0, 1):
+            a, b = usage[0][slot]["a"], usage[0][slot]["b"]
+            assert a.tagged_bytes == b.tagged_bytes == 2 * 8 * MiB  # weights + cache
+            assert (a.resident_bytes, b.resident_bytes) == (0, 2 * 8 * MiB)
+            assert (a.awake_stages, b.awake_stages) == ((), ("weights", "cache"))
+            assert a.pid == b.pid
+            pids.add(a.pid)
+        assert len(pids) == 2  # one proc per slot, each answering for its own slot
+        assert await rm.status() == {0: {s: {"a": [], "b": ["weights", "cache"]}
+                                         for s in (0, 1)}}  # status keeps its shape
+
+
+def test_help_shows_a_tenants_endpoints_with_their_docstrings():
+    import pydoc
+
+    text = pydoc.render_doc(MemoryTenant, renderer=pydoc.plaintext)
+    assert "endpoint checksum() -> 'str'" in text
+    assert "The weights' SHA-256; raises TagPausedError while asleep." in text
+    assert "endpoint use_cache(value: 'float') -> 'float'" in text

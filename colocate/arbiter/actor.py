@@ -4,28 +4,79 @@ A `TenantActor` is a colocated actor (trainer, generator...) whose memory lives 
 `colocate.memory` tags, one per stage; the arbiter reaches it through its own mailbox, so
 a sleep is ordered after the tenant's in-flight work. Tenant endpoints are sync, so a
 subclass's endpoints must be sync too (Monarch does not mix the two in one class).
+
+`remote_errors()` lets a caller catch the runtime's own errors (`TagPausedError`...) around
+a direct actor call, which Monarch delivers wrapped in its `ActorError`.
 """
 
 from __future__ import annotations
 
+import inspect
+import pickle
+import traceback
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from monarch._src.actor.endpoint import EndpointProperty
 from monarch.actor import Actor, ActorError, concurrent_endpoint, current_actor_name, endpoint
 
 from colocate.arbiter.core import ArbiterConfig, SlotArbiter
+from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.tenant import TaggedTenant, TenantInfo
 
 
-class TenantActor(Actor):
+class _KeepsInitError(type(Actor)):
+    """Metaclass of `TenantActor`: an exception from a tenant's `__init__` is kept on a bare
+    instance, for its `started()` endpoint to raise, instead of failing the actor.
+
+    Monarch 0.7.0 refuses every later spawn on a proc where an actor failed ("Cannot spawn
+    new actors on mesh with supervision events": meta-pytorch/monarch#1454; an `__init__`
+    failure is an actor failure since monarch#2049), so one tenant's bad argument would
+    take its procs away from every tenant spawned after it. Kept, the error reaches the
+    spawner as an ordinary endpoint error, and the actor is stopped cleanly.
+    """
+
+    def __init__(cls, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _document_endpoints(cls)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as err:
+            traceback.clear_frames(err.__traceback__)  # lets go of what __init__ made
+            instance = cls.__new__(cls)
+            instance.__dict__["_init_error"] = err
+            return instance
+
+
+def _document_endpoints(cls: type) -> None:
+    """Give each endpoint of `cls` its method's signature and docstring, so that `help()`
+    shows them (Monarch's endpoint objects carry neither)."""
+    for name, value in vars(cls).items():
+        method = getattr(value, "_method", None)
+        if isinstance(value, EndpointProperty) and method is not None:
+            try:
+                signature = inspect.signature(method)
+                signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+            except (TypeError, ValueError):
+                signature = "(...)"
+            doc = inspect.getdoc(method)
+            value.__doc__ = f"endpoint {name}{signature}" + (f"\n\n{doc}" if doc else "")
+
+
+class TenantActor(Actor, metaclass=_KeepsInitError):
     """Base class of actors that time-share their slots.
 
     `stages` maps each stage, in wake order, to whether its contents survive a sleep
     (weights: True; caches: False). Allocate a stage's memory inside
     `with self.tenancy.region(stage):`, or hand existing tensors to `self.tenancy.adopt`.
     Call `self.tenancy.ensure_awake()` before computing.
+
+    An exception raised by `__init__` is raised by `started()`, which `rm.spawn` calls
+    before registering the tenant: the spawn fails with it and the proc stays usable.
     """
 
     stages: ClassVar[dict[str, bool]] = {"state": True}
@@ -40,8 +91,21 @@ class TenantActor(Actor):
         if "_tenancy" not in self.__dict__:
             prefix = self.tenant_name
             self._tenancy = TaggedTenant({s: f"{prefix}/{s}" for s in self.stages},
-                                         backup=dict(self.stages))
+                                         backup=dict(self.stages), name=prefix)
         return self._tenancy
+
+    @endpoint
+    def started(self) -> None:
+        """Raise what `__init__` raised, if it did (the exception itself, or its type and
+        message when it would not survive the trip to the caller)."""
+        err = self.__dict__.get("_init_error")
+        if err is None:
+            return
+        try:
+            pickle.loads(pickle.dumps(err))
+        except Exception:
+            raise RuntimeError(f"{type(err).__name__}: {err}") from None
+        raise err
 
     @endpoint
     def sleep(self, stages: list[str] | None = None) -> int:
@@ -66,7 +130,17 @@ class TenantActor(Actor):
 @asynccontextmanager
 async def remote_errors() -> AsyncIterator[None]:
     """Raise the exception a remote actor raised, not Monarch's wrapper around it (whose
-    message carries the remote traceback)."""
+    message carries the remote traceback), so that it can be caught by its own type:
+
+        from colocate import remote_errors
+        from colocate.memory import TagPausedError
+
+        try:
+            async with remote_errors():
+                await tenant.checksum.call_one()
+        except TagPausedError:
+            ...  # asleep: wake it with phase(...) first
+    """
     try:
         yield
     except ActorError as err:
@@ -75,26 +149,40 @@ async def remote_errors() -> AsyncIterator[None]:
 
 @dataclass
 class ActorTenantHandle:
-    """Reaches one tenant actor on one proc (a one-proc slice of its actor mesh)."""
+    """Reaches one tenant actor on one proc (a one-proc slice of its actor mesh).
+
+    A call that fails other than by the endpoint's own exception (Monarch reports the
+    actor or its proc failed) marks the tenant lost, and later calls raise at once without
+    sending: in Monarch 0.7.0 a message to a failed actor comes back undeliverable and
+    fails the sender, the arbiter itself, whatever `_handle_undeliverable_message` says.
+    """
 
     name: str
     actor: Any
+    lost: str | None = None  # why, once a call found the tenant's actor or proc failed
+
+    async def _call(self, endpoint: str, *args: Any) -> Any:
+        if self.lost is not None:
+            raise ArbiterError(f"tenant {self.name!r} is lost ({self.lost}); not called again")
+        try:
+            return await getattr(self.actor, endpoint).call_one(*args)
+        except ActorError as err:  # the endpoint raised: the tenant is fine
+            raise err.exception from None
+        except Exception as err:
+            self.lost = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+            raise
 
     async def sleep(self, stages: Sequence[str] | None = None) -> int:
-        async with remote_errors():
-            return await self.actor.sleep.call_one(None if stages is None else list(stages))
+        return await self._call("sleep", None if stages is None else list(stages))
 
     async def wake(self, stages: Sequence[str]) -> None:
-        async with remote_errors():
-            await self.actor.wake.call_one(list(stages))
+        await self._call("wake", list(stages))
 
     async def describe(self) -> TenantInfo:
-        async with remote_errors():
-            return await self.actor.describe.call_one()
+        return await self._call("describe")
 
     async def receive(self, source: str) -> int:
-        async with remote_errors():
-            return await self.actor.receive.call_one(source)
+        return await self._call("receive", source)
 
 
 HostStatus = dict[int, dict[str, list[str] | None]]  # slot -> tenant -> awake stages

@@ -15,3 +15,10 @@ class ReleaseNotVerifiedError(SwitchError):
 
 class ArbiterTimeoutError(ArbiterError):
     """A request waited longer than its timeout for a slot, or a tenant call did not answer."""
+
+
+class UnknownStageError(KeyError):
+    """A stage name that the tenant's `stages` do not have (a KeyError, as a lookup)."""
+
+    def __str__(self) -> str:  # KeyError's own would quote the whole message
+        return str(self.args[0]) if self.args else ""

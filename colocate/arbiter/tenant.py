@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from colocate import memory, telemetry
+from colocate.arbiter.errors import UnknownStageError
 
 
 @dataclass(frozen=True)
@@ -57,19 +58,31 @@ class TaggedTenant:
     """The default tenant behaviour: stage -> memory tag of this process.
 
     `stages` maps each stage to its tag, in wake order; `backup` says per stage whether its
-    contents survive a sleep (weights: yes; caches: no).
+    contents survive a sleep (weights: yes; caches: no). `name` is the tenant's name at the
+    arbiter, for messages (default: the tags' common prefix, "trainer" for "trainer/weights").
     """
 
     stages: Mapping[str, str]
     backup: Mapping[str, bool] = field(default_factory=dict)
+    name: str | None = None
 
     def region(self, stage: str, device: str | torch.device | None = None):
         """Allocate the stage's memory inside this block."""
+        self._check_stages([stage])
         return memory.region(self.stages[stage], backup=self.backup.get(stage, True),
                              device=device)
 
     def adopt(self, obj: object, stage: str) -> int:
+        self._check_stages([stage])
         return memory.adopt(obj, self.stages[stage], backup=self.backup.get(stage, True))
+
+    @property
+    def tenant(self) -> str:
+        """The tenant's name at the arbiter (see `name`)."""
+        if self.name:
+            return self.name
+        prefixes = {tag.rpartition("/")[0] for tag in self.stages.values()}
+        return prefixes.pop() if len(prefixes) == 1 and "" not in prefixes else "this tenant"
 
     def _known(self) -> list[str]:
         known = set(memory.tags())
@@ -102,18 +115,31 @@ class TaggedTenant:
     def _check_stages(self, stages: Sequence[str]) -> None:
         unknown = [stage for stage in stages if stage not in self.stages]
         if unknown:
-            raise KeyError(f"unknown stage(s) {unknown}; stages are {list(self.stages)}")
+            what = f"stage {unknown[0]!r}" if len(unknown) == 1 else f"stages {unknown}"
+            raise UnknownStageError(f"unknown {what}; stages: {list(self.stages)}")
 
     def ensure_stage(self, stage: str) -> None:
         """Raise `TagPausedError` unless `stage` is awake."""
         self._check_stages([stage])
         if self.stages[stage] in memory.tags():
-            memory.ensure_active(self.stages[stage])
+            self._ensure_active(stage)
 
     def ensure_awake(self) -> None:
         """Raise `TagPausedError` unless every stage is awake: call before computing."""
         for stage in self._known():
+            self._ensure_active(stage)
+
+    def _ensure_active(self, stage: str) -> None:
+        """The tag's check, with a message at the tenant's level: how to wake it (through
+        the arbiter), not the low-level `resume` of its tag."""
+        try:
             memory.ensure_active(self.stages[stage])
+        except memory.TagPausedError:
+            name = self.tenant
+            raise memory.TagPausedError(
+                f"tenant {name!r} is asleep (its stage {stage!r} is paused): wake it first, "
+                f"with `async with phase({name!r}):` around the calls or "
+                f"`await rm.wake({name!r})` (a service: `phase(service)`)") from None
 
     def awake_stages(self) -> tuple[str, ...]:
         """The stages awake now, in wake order (a stage with no memory yet counts as awake)."""

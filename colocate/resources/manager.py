@@ -32,9 +32,11 @@ from monarch.actor import Actor, default_bootstrap_cmd, endpoint
 from colocate.arbiter.actor import Arbiter, HostStatus, TenantActor, remote_errors
 from colocate.arbiter.core import ArbiterConfig
 from colocate.arbiter.errors import ArbiterError
+from colocate.arbiter.tenant import TenantInfo
 from colocate.resources.hosts import HostJob, start_hosts
 from colocate.resources.hosts import gpus_per_host as detect_gpus
 from colocate.resources.packing import Inventory, Placement, ResourceError, ResourceRequest
+from colocate.resources.spawning import check_importable, check_started
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +151,8 @@ class ResourceManager:
         self.failed: set[str] = set()  # spawned meshes whose actors died
         self.failure_listeners: list[Callable[[str, str], None]] = []
         self.extra_procs: list[tuple[Any, list[int]]] = []  # replacement procs, their pids
+        self._abandoned: set[str] = set()  # full mesh names of spawns that failed
+        self._tenant_actors: dict[str, Any] = {}  # name -> its actor mesh, for usage()
         self.arbiter_config = arbiter_config
         self._arbiter_procs: Any = None
         self.arbiters: Any = None
@@ -162,6 +166,8 @@ class ResourceManager:
         mesh = getattr(failure, "mesh_name", "")
         tenant = mesh.rsplit("-", 1)[0]
         logger.warning("mesh failure: %s", str(failure).splitlines()[0])
+        if mesh in self._abandoned:  # a failed spawn's actors, already undone
+            return
         if tenant in self.spawned and tenant not in self.failed:
             self.failed.add(tenant)
             for listener in self.failure_listeners:
@@ -248,13 +254,35 @@ class ResourceManager:
     async def spawn(self, name: str, actor_class: type[Actor], allocation: Allocation,
                     *args: Any, **kwargs: Any) -> Any:
         """Spawn `actor_class` on the allocation's procs. A `TenantActor` is registered with
-        its hosts' arbiters (and put to sleep where another tenant is awake)."""
+        its hosts' arbiters (and put to sleep where another tenant is awake).
+
+        An actor that cannot start (its class does not import in the procs, a tenant's
+        `__init__` raises, its process dies) raises one `SpawnError` naming it and the
+        original exception; what the spawn made is undone (its actors stopped, the name
+        free again, the allocation given back), and the arbiters and the other tenants go
+        on. A tenant is asked from here whether it started before any arbiter calls it."""
         if name in self.spawned:
             raise ArbiterError(f"actors named {name!r} already exist; names are unique")
+        try:
+            await check_importable(allocation.procs, name, actor_class,
+                                   list(allocation.slots), allocation.group)
+        except BaseException:
+            self._give_back(allocation)
+            raise
         actors = allocation.procs.spawn(name, actor_class, *args, **kwargs)
         self.spawned.add(name)
-        if not issubclass(actor_class, TenantActor):
-            return actors
+        try:
+            if issubclass(actor_class, TenantActor):
+                await check_started(actors, name, actor_class, list(allocation.slots),
+                                    allocation.group)
+                await self._register(name, actors, allocation)
+        except BaseException:
+            await self._undo_spawn(name, actors, allocation)
+            raise
+        return actors
+
+    async def _register(self, name: str, actors: Any, allocation: Allocation) -> None:
+        """Register a started tenant with the arbiters of its slots (on all or on none)."""
         self.tenants[name] = list(allocation.slots)
         per_host = allocation.procs_per_host
         try:
@@ -266,23 +294,54 @@ class ResourceManager:
         except BaseException:  # registered nowhere, or everywhere it was undone
             await asyncio.gather(*(self.arbiter(host).unregister.call_one(name, [slot])
                                    for host, slot in allocation.slots), return_exceptions=True)
-            self.tenants.pop(name)
             raise
         self.stages[name] = infos[0].stages
+        self._tenant_actors[name] = actors
         await self._refresh()
-        return actors
 
-    async def remove(self, name: str, actors: Any) -> None:
-        """Stop spawned actors (unless they died) and forget them; their procs stay."""
+    async def _undo_spawn(self, name: str, actors: Any, allocation: Allocation,
+                          grace_s: float = 5.0) -> None:
+        """Forget a spawn that failed: its tables, its name, its actors, its allocation.
+        Faults its mesh reports later are ignored (`on_fault`)."""
+        for table in (self.tenants, self.stages, self.awake, self._tenant_actors):
+            table.pop(name, None)
+        try:  # Monarch's full mesh name (name-<id>), which its late faults carry
+            self._abandoned.add(await asyncio.wait_for(actors._name, grace_s))
+        except Exception:
+            pass
+        self.spawned.discard(name)
+        self.failed.discard(name)
+        await self._stop_actors(name, actors, grace_s)
+        self._give_back(allocation)
+
+    def _give_back(self, allocation: Allocation) -> None:
+        """`free` an allocation of the group's own procs; one on replacement procs
+        (`replace_procs`) stands for slots its owner still holds, so it stays."""
+        if allocation.group in self.groups and not any(
+                allocation.procs is procs for procs, _ in self.extra_procs):
+            self.free(allocation)
+
+    async def remove(self, name: str, actors: Any, grace_s: float = 5.0) -> None:
+        """Stop spawned actors (unless they died) and forget them; their procs stay. A
+        stop that does not end within `grace_s` (its proc died unseen) is left behind."""
         if name in self.tenants:
             async with remote_errors():
                 await asyncio.gather(*(self.arbiter(h).unregister.call_one(name, slots)
                                        for h, slots in self._by_host(name).items()))
-        for table in (self.tenants, self.stages, self.awake):
+        for table in (self.tenants, self.stages, self.awake, self._tenant_actors):
             table.pop(name, None)
         self.spawned.discard(name)
         if name not in self.failed:
-            await actors.stop()
+            await self._stop_actors(name, actors, grace_s)
+
+    @staticmethod
+    async def _stop_actors(name: str, actors: Any, grace_s: float) -> None:
+        try:
+            await asyncio.wait_for(actors.stop(), grace_s)
+        except Exception as err:  # a timeout: Monarch waits 30 s on a dead proc
+            logger.warning("the actors of %r did not stop within %s s (%s); left behind",
+                           name, grace_s, str(err).splitlines()[0] if str(err) else
+                           type(err).__name__)
 
     def _by_host(self, name: str) -> dict[int, list[int]]:
         if name not in self.tenants:
@@ -404,6 +463,28 @@ class ResourceManager:
         self.extra_procs.append((procs, [value["pid"] for _, value in info.items()]))
         return Allocation(allocation.group, allocation.owner, procs, slots, allocation.hosts,
                           per_host)
+
+    async def usage(self) -> dict[int, dict[int, dict[str, TenantInfo | None]]]:
+        """host -> slot -> tenant -> its `TenantInfo` now: `resident_bytes` (held now),
+        `tagged_bytes` (held when fully awake), `awake_stages`, pid, device. Each tenant
+        answers for itself, from here; one that failed, or does not answer, is None."""
+        names = [n for n in self.tenants if n in self._tenant_actors]
+
+        async def ask(name: str) -> list[TenantInfo | None]:
+            if name in self.failed:
+                return [None] * len(self.tenants[name])
+            try:
+                found = await self._tenant_actors[name].describe.call()
+            except Exception:
+                return [None] * len(self.tenants[name])
+            return [info for _, info in found.items()]  # mesh order: the allocation's slots
+
+        answers = await asyncio.gather(*(ask(name) for name in names))
+        usage: dict[int, dict[int, dict[str, TenantInfo | None]]] = {}
+        for name, infos in zip(names, answers, strict=True):
+            for (host, slot), info in zip(self.tenants[name], infos, strict=True):
+                usage.setdefault(host, {}).setdefault(slot, {})[name] = info
+        return usage
 
     async def status(self) -> dict[int, HostStatus]:
         """host -> slot -> tenant -> awake stages ([] asleep, None unknown)."""
