@@ -1,6 +1,6 @@
 """torch-colocate: trainer/generator colocation with GPU memory time-sharing, on Monarch.
 
-    from colocate import init, phase
+    from colocate import ArbiterConfig, ResourceRequest, TenantActor, init, phase
     rm = await init(scheduler="local", gpus_per_host=8)
     ...
     async with phase("generator"):
@@ -17,26 +17,23 @@ actor call (Monarch wraps them in `ActorError`); a spawn that fails raises `Spaw
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-__all__ = ["SpawnError", "init", "phase", "remote_errors"]
+# name -> the module that defines it, imported on first use (Monarch loads with these)
+_EXPORTS = {
+    "init": "colocate.resources.manager",
+    "phase": "colocate.phases",
+    "TenantActor": "colocate.arbiter.actor",
+    "ResourceRequest": "colocate.resources.packing",
+    "ArbiterConfig": "colocate.arbiter.core",
+    "remote_errors": "colocate.arbiter.actor",
+    "SpawnError": "colocate.resources.spawning",
+}
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "init":
-        from colocate.resources.manager import init
-
-        return init
-    if name == "phase":
-        from colocate.phases import phase
-
-        return phase
-    if name == "remote_errors":
-        from colocate.arbiter.actor import remote_errors
-
-        return remote_errors
-    if name == "SpawnError":
-        from colocate.resources.spawning import SpawnError
-
-        return SpawnError
-    raise AttributeError(f"module 'colocate' has no attribute {name!r}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'colocate' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
