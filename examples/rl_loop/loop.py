@@ -92,7 +92,7 @@ class Loop:
             p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         # vLLM logs each weight load at INFO, once a step, over the progress bar
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        model_dir = str(self.model_dir)
+        path = str(self.model_dir)
         slots = run.slots if run.colocate else 2 * run.slots
         self.rm = await init("local", gpus_per_host=slots)
         groups = ("rl", "rl") if run.colocate else ("train", "generate")
@@ -100,11 +100,11 @@ class Loop:
         # and a trainer back at step 0 would be a silent restart
         self.trainer = await spawn_service(
             ServiceConfig(procs_per_host=run.slots, resource_group=groups[0], respawn=False),
-            TrainerActor, model_dir, lr=self.cfg.grpo.lr,
+            TrainerActor, path, lr=self.cfg.grpo.lr,
             max_grad_norm=self.cfg.grpo.max_grad_norm, name="trainer",
             **vars(self.cfg.trainer))
         config, options = self._generator_service(groups[1])
-        self.generator = await spawn_service(config, GeneratorActor, model_dir,
+        self.generator = await spawn_service(config, GeneratorActor, path,
                                              name="generator", **options)
         self.generator.on_respawn.append(self._resync)
         await sync_weights(self.trainer, self.generator)  # it starts awake, with those
