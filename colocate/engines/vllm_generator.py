@@ -49,7 +49,7 @@ import vllm
 from colocate import memory, telemetry
 from colocate.arbiter.tenant import TenantInfo
 from colocate.engines.sampling import Completion, SamplingParams
-from colocate.engines.weights import WeightStream
+from colocate.engines.weights import WeightStream, as_stream
 
 STAGES = ("weights", "kv_cache")  # wake order
 WORKER = "colocate.engines.vllm_worker.ColocateWorker"
@@ -141,7 +141,7 @@ class VLLMGenerator:
         written. Every name and shape is checked before anything is written. Needs
         "weights" awake."""
         self._ensure_awake(("weights",), "load_weights")
-        stream = weights if isinstance(weights, WeightStream) else WeightStream.of(weights)
+        stream = as_stream(weights)
         self._rpc("colocate_check_weights", {n: s for n, (s, _) in stream.specs.items()})
         written = 0
         for bucket in stream.buckets():

@@ -93,10 +93,11 @@ def hf_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _ties_embeddings(model: nn.Module) -> bool:
-    modules = dict(model.named_modules())
-    head, embed = modules.get("lm_head"), modules.get("model.embed_tokens")
-    return head is not None and embed is not None and \
-        getattr(head, "weight", None) is getattr(embed, "weight", False)
+    """Whether the head's weight is the embedding's (vLLM ties them by sharing it)."""
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    embed = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight",
+                    None)
+    return head is not None and head is embed
 
 
 class ColocateWorker:

@@ -79,6 +79,11 @@ class WeightStream:
                 yield bucket.pop()
 
 
+def as_stream(weights: WeightStream | Iterable[tuple[str, torch.Tensor]]) -> WeightStream:
+    """`weights` as a stream: itself, or a stream of one bucket over the given pairs."""
+    return weights if isinstance(weights, WeightStream) else WeightStream.of(weights)
+
+
 def check_weights(own: dict[str, tuple[int, ...]], given: dict[str, tuple[int, ...]],
                   target: str) -> None:
     """Raise `ValueError` naming every missing, unknown and mis-shaped tensor of `given`
@@ -96,7 +101,7 @@ def copy_weights(model: nn.Module, weights: WeightStream | Iterable[tuple[str, t
     """Copy every weight into `model`'s tensor of that name, a bucket at a time; returns the
     bytes. All names and shapes are checked first, so a bad set writes nothing. Every
     tensor of the model must be given."""
-    stream = weights if isinstance(weights, WeightStream) else WeightStream.of(weights)
+    stream = as_stream(weights)
     own = model.state_dict()
     check_weights({n: tuple(t.shape) for n, t in own.items()},
                   {n: shape for n, (shape, _) in stream.specs.items()}, "the model")
@@ -181,7 +186,7 @@ def export_weights(weights: WeightStream | Iterable[tuple[str, torch.Tensor]], k
     `WRITING` until every tensor is in, then `version` (>= 0)."""
     if version < 0:
         raise ValueError(f"version={version}: must be >= 0")
-    stream = weights if isinstance(weights, WeightStream) else WeightStream.of(weights)
+    stream = as_stream(weights)
     entries, offset = [], ALIGN  # the header comes first
     for name, (shape, dtype) in stream.specs.items():
         entries.append((name, str(dtype).removeprefix("torch."), tuple(shape), offset))
