@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import inspect
 import itertools
 import logging
 import time
@@ -30,10 +29,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from monarch._src.actor.endpoint import EndpointProperty
 from monarch.actor import ActorError
 
 from colocate.memory import TagPausedError
+from colocate.monarch_compat import endpoint_names
 from colocate.resources.manager import Allocation, ResourceManager
 from colocate.resources.packing import ResourceRequest
 from services.autoscaler import Autoscaler
@@ -70,8 +69,7 @@ class Service:
         self.replicas: list[Replica] = []
         self.autoscaler: Autoscaler | None = None
         self.router = make_router(config.router)
-        self.endpoints = {n for n, v in inspect.getmembers(actor_class)
-                          if isinstance(v, EndpointProperty)}
+        self.endpoints = endpoint_names(actor_class)
         self.sessions: dict[str, int] = {}
         self._session_ids = itertools.count()
         self.closed = False

@@ -19,12 +19,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from monarch._src.actor.endpoint import EndpointProperty
 from monarch.actor import Actor, ActorError, concurrent_endpoint, current_actor_name, endpoint
 
 from colocate.arbiter.core import ArbiterConfig, SlotArbiter
 from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.tenant import TaggedTenant, TenantInfo
+from colocate.monarch_compat import EndpointProperty
 
 
 class _KeepsInitError(type(Actor)):

@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import monarch.actor
-from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
 from monarch.actor import Actor, default_bootstrap_cmd, endpoint
 
 from colocate.arbiter.actor import Arbiter, HostStatus, TenantActor, remote_errors
 from colocate.arbiter.core import ArbiterConfig
 from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.tenant import TenantInfo
+from colocate.monarch_compat import BootstrapCommand
 from colocate.resources.hosts import HostJob, start_hosts
 from colocate.resources.hosts import gpus_per_host as detect_gpus
 from colocate.resources.packing import Inventory, Placement, ResourceError, ResourceRequest

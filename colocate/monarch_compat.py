@@ -1,0 +1,31 @@
+"""Monarch's private API, in one place. Written against torchmonarch 0.7.0.
+
+The rest of the project imports Monarch's public `monarch.actor` only; what it needs
+beyond that is here, so a Monarch upgrade is checked in one file:
+- `BootstrapCommand`: a proc's bootstrap program and environment, set before it starts
+  (`spawn_procs(bootstrap_command=...)` takes a function returning one).
+- `EndpointProperty`: what `@endpoint` makes of a method; used to list a class's endpoints.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import warnings
+
+from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
+from monarch._src.actor.endpoint import EndpointProperty
+
+MONARCH_VERSION = "0.7.0"
+
+__all__ = ["MONARCH_VERSION", "BootstrapCommand", "EndpointProperty", "endpoint_names"]
+
+_installed = importlib.metadata.version("torchmonarch")
+if _installed != MONARCH_VERSION:
+    warnings.warn(f"colocate was written against torchmonarch {MONARCH_VERSION}; "
+                  f"{_installed} is installed. If spawning procs or listing endpoints "
+                  f"fails, check colocate/monarch_compat.py against it.", stacklevel=2)
+
+
+def endpoint_names(cls: type) -> set[str]:
+    """The names of `cls`'s `@endpoint` methods."""
+    return {name for name in dir(cls) if isinstance(getattr(cls, name, None), EndpointProperty)}
