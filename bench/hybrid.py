@@ -26,7 +26,9 @@ below: dim 512, 8 layers, 8 heads, 20 M parameters, 80 MiB in fp32).
    rl_step.py's `Sampler`), max within the load's window minus the last sample before it.
    Both weight sets are resident throughout the load (the staged handoff's planned 2W),
    so "extra" is what the sync allocates beyond them: gathered buckets, loader
-   temporaries. The issue's bound: one bucket + the largest tensor. Max over rounds.
+   temporaries. The issue's bound: one bucket + the largest tensor. Max over rounds. The
+   procs run with a fixed glibc mmap threshold (`MALLOC_MMAP_THRESHOLD_`), so freed
+   buffers leave RSS and the peak is not glibc's retention.
 3. One RL step's time split (generate, train, switch, sync) colocated (`run.colocate=true`:
    trainer and vLLM on the same 2 procs) vs split (`false`: 2 procs each), engine vllm,
    2 slots: bench/rl_step.py's `run_mode`, means over `--steps` after `--warmup`, the
@@ -149,6 +151,9 @@ class SyncProbe(Actor):
                 "largest": max(t.numel() * t.element_size() for t in tensors)}
 
 
+MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
+
+
 async def sync_part(parallel: str, args: argparse.Namespace) -> dict[str, Any]:
     """Parts 1 and 2 for one trainer parallelism: `--rounds` syncs, each after a memcpy."""
     from colocate import init, phase
@@ -163,6 +168,12 @@ async def sync_part(parallel: str, args: argparse.Namespace) -> dict[str, Any]:
     directory = str(model_dir(cfg, out))
     tp = cfg.generator.tensor_parallel_size
     slots = cfg.run.slots
+    # The procs get a fixed glibc mmap threshold (mallopt(3): it turns off the dynamic
+    # one). Otherwise glibc keeps freed large buffers in its heap, or not, as earlier
+    # frees moved the threshold, and the same sync read anything from 0 to 3.4 buckets
+    # of VmHWM. With it, each buffer over 64 KiB is mapped and unmapped, so the peak is
+    # what the sync holds at once. Procs take the environment as they are spawned.
+    os.environ[MALLOC_ENV] = str(64 * 1024)
     rm = await init("local", gpus_per_host=slots)
     try:
         bar = tqdm(total=args.rounds + 1, desc=f"sync {parallel}", unit="sync")
@@ -195,6 +206,7 @@ async def sync_part(parallel: str, args: argparse.Namespace) -> dict[str, Any]:
         loads = [v for _, v in (await probe.taken.call()).items()]
     finally:
         await rm.shutdown()
+        del os.environ[MALLOC_ENV]
     procs = []
     for index, (pid, timed) in enumerate(zip(pids, loads, strict=True)):
         copies = [round_[index] for round_ in memcpys]

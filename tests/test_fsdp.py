@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from colocate import telemetry
+from colocate.engines.fsdp_gather import gather_full
 from colocate.engines.models import load_model
 from colocate.engines.tiny import write_tiny_model
 from colocate.engines.trainer import PolicyTrainer
@@ -43,7 +46,7 @@ def fsdp_rank(rank: int, port: int, path: str, out: str) -> None:
     does not; each trains on rows rank, rank + WORLD, ... of every global batch."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
-    slept = PolicyTrainer(load_model(path), prefix="slept", parallel="fsdp")
+    slept = PolicyTrainer(load_model(path), prefix="slept", parallel="fsdp", bucket_mb=1)
     twin = PolicyTrainer(load_model(path), prefix="twin", parallel="fsdp")
     mixed = PolicyTrainer(load_model(path), prefix="mixed", parallel="fsdp",
                           mixed_precision=True, activation_checkpointing=True)
@@ -65,12 +68,22 @@ def fsdp_rank(rank: int, port: int, path: str, out: str) -> None:
             "restored": digest((n, p.to_local()) for n, p in slept.model.named_parameters())
             == shard})
     full = dict(slept.weights().tensors())  # every rank takes part in the gathers
+    by_dtensor = digest((n, t.full_tensor()) for n, t in slept.model.state_dict().items())
+    buffers = [len({t.untyped_storage().data_ptr() for _, t in bucket})
+               for bucket in PolicyTrainer.weights(slept).buckets()]
+    mesh = init_device_mesh("cpu", (WORLD,))
+    edges = [distribute_tensor(torch.arange(rows * 3.0).view(rows, 3), mesh, [Shard(0)])
+             for rows in (1, 3, 5, 8)]  # 1 row: rank 1's shard is empty
+    edges_equal = all(torch.equal(mine, theirs.full_tensor())
+                      for mine, theirs in zip(gather_full(edges), edges, strict=True))
     local = sum(p.to_local().numel() * 4 for p in slept.model.parameters())
     Path(out, f"{rank}.json").write_text(json.dumps({
         "losses": losses, "twin_losses": twin_losses, "cycles": cycles,
         "mixed_losses": mixed_losses,
         "mixed_dtypes": sorted({str(p.dtype) for p in mixed.model.parameters()}),
-        "local_weight_bytes": local, "digest": digest(full.items())}))
+        "local_weight_bytes": local, "digest": digest(full.items()),
+        "full_tensor_digest": by_dtensor, "buffers_per_bucket": buffers,
+        "edges_equal": edges_equal}))
 
 
 def one_proc_reference(path: str) -> tuple[list[float], str]:
@@ -82,7 +95,7 @@ def one_proc_reference(path: str) -> tuple[list[float], str]:
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("fsdp")
-    path = str(write_tiny_model(root / "model", "qwen2", alphabet="0123456789+=>",
+    path = str(write_tiny_model(root / "model", "qwen2", alphabet="0123456789+=>#",
                                 hidden_size=256, layers=4, heads=4, kv_heads=2,
                                 intermediate_size=1024, tie_embeddings=True, init_std=0.1))
     with socket.socket() as s:
@@ -109,6 +122,19 @@ def test_fsdp_on_two_procs_trains_as_one_proc_on_the_global_batch(fsdp_run):
     assert mean == pytest.approx(reference_losses, rel=TOLERANCE)
     assert mean[-1] < mean[0]
     assert ranks[0]["digest"] == ranks[1]["digest"]  # both gathered the same full weights
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_weights_gather_each_bucket_into_one_buffer_exactly(fsdp_run):
+    """The bucketed gather (one buffer per bucket, shards gathered into it in place) gives
+    exactly DTensor.full_tensor()'s weights, in several buckets (bucket_mb=1), including
+    a tensor whose first dim does not divide by the world (the embeddings' 17 rows), and
+    DTensors of 1, 3, 5 and 8 rows."""
+    for rank in fsdp_run["ranks"]:
+        assert rank["digest"] == rank["full_tensor_digest"]
+        assert rank["edges_equal"]
+        assert len(rank["buffers_per_bucket"]) > 4
+        assert rank["buffers_per_bucket"] == [1] * len(rank["buffers_per_bucket"])
 
 
 @pytest.mark.timeout(600)

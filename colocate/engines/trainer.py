@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from colocate.arbiter.tenant import TaggedTenant, TenantInfo
+from colocate.engines.fsdp_gather import gather_full
 from colocate.engines.models import decoder_layers
 from colocate.engines.weights import WeightStream, publish
 
@@ -130,13 +131,18 @@ class PolicyTrainer:
         for name, tensor in state.items():
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > self.bucket_bytes:
-                yield bucket
+                yield _gathered(bucket)
                 bucket, size = [], 0
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            bucket.append((name, full.detach()))
+            bucket.append((name, tensor.detach()))
             size += nbytes
         if bucket:
-            yield bucket
+            yield _gathered(bucket)
+
+
+def _gathered(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """`bucket` with its FSDP shards gathered into full tensors (one buffer per bucket)."""
+    names = [name for name, _ in bucket]
+    return list(zip(names, gather_full([tensor for _, tensor in bucket]), strict=True))
 
 
 def _distributed_env() -> bool:
