@@ -100,6 +100,7 @@ class RunConfig:
     slots: int = 1  # GPUs, or CPU procs standing in for them; trainer and generator share
     colocate: bool = True  # False: trainer and generator on separate slots (for comparison)
     out: str = "runs/rl_loop"
+    wandb: bool = False  # also log to Weights & Biases, offline (`wandb sync` uploads)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

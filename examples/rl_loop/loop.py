@@ -74,7 +74,8 @@ class Loop:
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
         self.rng = random.Random(cfg.run.seed)
-        self.record = RunRecord(config=as_dict(cfg), logdir=self.out / "tensorboard")
+        self.record = RunRecord(config=as_dict(cfg), logdir=self.out / "tensorboard",
+                                wandb_dir=self.out if cfg.run.wandb else None)
         self.bar: tqdm | None = None
         self.training = asyncio.Lock()  # held from a train step through its weight sync
         self.resyncs = 0  # generator replicas given the weights after a respawn

@@ -1,7 +1,8 @@
 """What a run leaves behind: per-step metrics, memory per tenant over time, and the plots
 (`reward.png`, `memory.png`) and `metrics.json` written from them. Steps and memory
 readings also go, as they happen, to TensorBoard event files under `<out>/tensorboard`
-(`tensorboard --logdir runs/rl_loop`)."""
+(`tensorboard --logdir runs/rl_loop`), and with `run.wandb=true` to an offline Weights &
+Biases run under `<out>/wandb` (`wandb sync <that run's directory>` uploads it)."""
 
 from __future__ import annotations
 
@@ -26,15 +27,18 @@ class RunRecord:
     phases: list[tuple[float, str]] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)  # the resolved configuration
     logdir: Path | None = None  # TensorBoard events go here when given
+    wandb_dir: Path | None = None  # an offline W&B run goes here when given
     start: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
-        self.events = None
+        self.events = self.wandb = None
         if self.logdir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
             self.events = SummaryWriter(str(self.logdir))
             self.events.add_text("config", f"```\n{json.dumps(self.config, indent=2)}\n```")
+        if self.wandb_dir is not None:
+            self.wandb = _offline_wandb(self.wandb_dir, self.config)
 
     def step(self, row: dict[str, Any]) -> None:
         """A step's metrics (step -1: the untrained evaluation)."""
@@ -43,6 +47,9 @@ class RunRecord:
             for key, value in row.items():
                 if key != "step" and isinstance(value, int | float):
                     self.events.add_scalar(f"rl/{key}", value, row["step"])
+        if self.wandb is not None:
+            self.wandb.log({f"rl/{key}": value for key, value in row.items()
+                            if isinstance(value, int | float)})
 
     def now(self) -> float:
         return time.monotonic() - self.start
@@ -55,11 +62,18 @@ class RunRecord:
         if self.events is not None:
             self.events.add_scalar(f"memory_mib/{tenant}", resident_bytes / 2**20,
                                    len(self.memory))
+        if self.wandb is not None:
+            self.wandb.log({"memory/reading": len(self.memory), "memory/t": self.now(),
+                            f"memory_mib/{tenant}": resident_bytes / 2**20})
 
     def write(self, out: Path, summary: dict[str, Any]) -> None:
         out.mkdir(parents=True, exist_ok=True)
         if self.events is not None:
             self.events.flush()
+        if self.wandb is not None:
+            self.wandb.summary.update(summary)
+            self.wandb.finish()
+            self.wandb = None
         (out / "metrics.json").write_text(json.dumps(
             {"config": self.config, "summary": summary, "steps": self.steps,
              "memory": self.memory, "phases": self.phases}, indent=2))
@@ -133,3 +147,20 @@ class RunRecord:
         ax.set(xlabel="seconds since the run started", ylabel="MiB held per slot",
                title=title)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
+def _offline_wandb(directory: Path, config: dict[str, Any]) -> Any:
+    """An offline W&B run under `directory`, its steps and memory readings each on their
+    own x axis (`rl/step`, `memory/reading`)."""
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("run.wandb=true needs Weights & Biases: pip install wandb "
+                           "(or leave run.wandb=false; TensorBoard events are written "
+                           "either way)") from None
+    directory.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(mode="offline", dir=str(directory), project="colocate-rl-loop",
+                     config=config, settings=wandb.Settings(silent=True))
+    run.define_metric("rl/*", step_metric="rl/step")
+    run.define_metric("memory_mib/*", step_metric="memory/reading")
+    return run
