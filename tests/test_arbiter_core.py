@@ -354,6 +354,23 @@ def test_a_new_policy_is_chosen_by_name_from_the_policies_table(monkeypatch):
     assert isinstance(SlotArbiter([0], ArbiterConfig(policy="two")).policy, AtMostTwoAwake)
 
 
+def lost_contents_scenario() -> dict:
+    tenant, _, _ = make_tenant("lossy", 1, seed=0, cache_mib=1)
+    tenant.sleep()
+    tenant.wake(["weights", "kv_cache"])
+    out = {"after_sleep": (tenant.lost("weights"), tenant.lost("kv_cache"))}
+    tenant.refilled("kv_cache")
+    out["refilled"] = tenant.lost("kv_cache")
+    tenant.sleep(["weights"])  # the cache stays awake: nothing of it is lost
+    out["weights_only"] = tenant.lost("kv_cache")
+    return out
+
+
+def test_a_stage_without_backup_is_lost_at_a_sleep_until_refilled(isolated):
+    out = isolated(lost_contents_scenario)
+    assert out == {"after_sleep": (False, True), "refilled": False, "weights_only": False}
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="policy"):
         ArbiterConfig(policy="fifo")
