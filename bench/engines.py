@@ -73,15 +73,15 @@ def engine_rows(kind: str, model_dir: str, prompts: list[list[int]], params: Sam
     engine.generate(prompts, params)  # warm-up
     gen_s = median_s(lambda: engine.generate(prompts, params), rounds)
     tokens = len(prompts) * params.max_new_tokens
-    stages = list(engine.describe().stages)
-    held = engine.describe().tagged_bytes
+    stages = list(engine.tenancy.describe().stages)
+    held = engine.tenancy.describe().tagged_bytes
     sleeps, wakes = [], []
     for _ in range(rounds):
         start = time.perf_counter()
-        engine.sleep()
+        engine.tenancy.sleep()
         sleeps.append(time.perf_counter() - start)
         start = time.perf_counter()
-        engine.wake(stages)
+        engine.tenancy.wake(stages)
         wakes.append(time.perf_counter() - start)
     return {"engine": kind, "init_s": init_s, "tokens_per_s": tokens / gen_s,
             "bytes": held, "sleep_s_per_gib": statistics.median(sleeps) / (held / GiB),
@@ -117,8 +117,8 @@ def sync_rows(model_dir: str, rounds: int) -> dict:
 
 async def handoff_times(trainer: PolicyTrainer, gen: TorchGenerator, rounds: int) -> list[float]:
     arbiter = SlotArbiter([0])
-    await arbiter.register(0, LocalTenantHandle("bench_trainer", trainer))
-    await arbiter.register(0, LocalTenantHandle("bench_gen", gen))
+    await arbiter.register(0, LocalTenantHandle("bench_trainer", trainer.tenancy))
+    await arbiter.register(0, LocalTenantHandle("bench_gen", gen.tenancy, gen.receive))
     times = []
     for _ in range(rounds):
         await arbiter.wake("bench_trainer")

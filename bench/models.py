@@ -96,7 +96,7 @@ def train_rank(rank: int, port: int, path: str, steps: int, rounds: int, out: st
             if step >= WARMUP_STEPS:
                 result[kind]["step_s"].append(seconds)
     for kind, trainer in trainers.items():
-        result[kind].update(tagged=trainer.describe().tagged_bytes, released=[], sleep_s=[],
+        result[kind].update(tagged=trainer.tenancy.describe().tagged_bytes, released=[], sleep_s=[],
                             wake_s=[])
     for cycle in tqdm(range(WARMUP_CYCLES + rounds), desc="sleep/wake cycles (ddp, fsdp)",
                       disable=rank != 0, leave=False):
@@ -114,12 +114,12 @@ def train_rank(rank: int, port: int, path: str, steps: int, rounds: int, out: st
 def sleep_wake(trainer: PolicyTrainer) -> tuple[int, float, float]:
     """One whole sleep, then one whole wake, each started on both ranks at once; returns the
     bytes released and the seconds of each."""
-    stages = list(trainer.describe().stages)
+    stages = list(trainer.tenancy.describe().stages)
     released = []
     dist.barrier()
-    sleep_s = median_s(lambda: released.append(trainer.sleep()), 1)
+    sleep_s = median_s(lambda: released.append(trainer.tenancy.sleep()), 1)
     dist.barrier()
-    wake_s = median_s(lambda: trainer.wake(stages), 1)
+    wake_s = median_s(lambda: trainer.tenancy.wake(stages), 1)
     return released[0], sleep_s, wake_s
 
 
@@ -180,7 +180,7 @@ def generator_rows(path: str, rounds: int) -> list[dict]:
         start = time.perf_counter()
         engines[kind] = make_engine(kind, path, len(prompts))
         rows[kind] = {"engine": kind, "init_s": time.perf_counter() - start,
-                      "bytes": engines[kind].describe().tagged_bytes}
+                      "bytes": engines[kind].tenancy.describe().tagged_bytes}
         outputs[kind] = engines[kind].generate(prompts, params)  # warm-up
     times: dict[str, list[float]] = {kind: [] for kind in engines}
     for _ in tqdm(range(rounds), desc="generate rounds (torch, vllm)", leave=False):

@@ -23,6 +23,7 @@ from colocate.arbiter import (
     TaggedTenant,
 )
 from colocate.arbiter.local import LocalTenantHandle
+from colocate.arbiter.policy import POLICIES, least_recently_woken
 
 MiB = 1 << 20
 
@@ -295,9 +296,86 @@ def test_budget_policy_keeps_several_awake_while_memory_allows(isolated):
     assert out["big"] == {"small_a": [], "small_b": ["weights"], "big": ["weights"]}
 
 
+class AtMostTwoAwake:
+    """A third policy, defined here and nowhere in colocate: two tenants may be awake on a
+    slot; a third one's wake puts the least recently woken of them to sleep."""
+
+    measures = False
+
+    def may_share(self, awake) -> bool:
+        return len(awake) <= 2
+
+    def has_room(self, needed_bytes, free_bytes) -> bool:
+        return True
+
+    def next_victim(self, waking, awake, needed_bytes, free_bytes):
+        others = [name for name in awake if name != waking]
+        return least_recently_woken(waking, others) if len(others) >= 2 else None
+
+
+def third_policy_scenario() -> dict:
+    async def run():
+        made = {n: make_tenant(n, 16, seed=i) for i, n in enumerate("abc")}  # keeps tensors
+        arbiter = SlotArbiter([0], ArbiterConfig(policy=AtMostTwoAwake()))
+        digests = {n: _digest(weights) for n, (_, weights, _) in made.items()}
+        out = {"registered": []}
+        for name, (tenant, _, _) in made.items():
+            await arbiter.register(0, LocalTenantHandle(name, tenant))
+            out["registered"].append(arbiter.status()[0])
+        await arbiter.wake("c")  # a, the least recently woken of the two awake, sleeps
+        out["c"] = arbiter.status()[0]
+        out["a_resident"] = memory.resident_bytes("a/weights")
+        await arbiter.wake("a")  # b sleeps
+        out["a"] = arbiter.status()[0]
+        await arbiter.wake("c")  # already awake: nothing changes
+        out["again"] = arbiter.status()[0]
+        out["awake_intact"] = [_digest(made[n][1]) == digests[n] for n in "ac"]
+        return out
+
+    return asyncio.run(run())
+
+
+def test_a_policy_defined_outside_colocate_runs_through_the_arbiter(isolated):
+    out = isolated(third_policy_scenario)
+    assert out["registered"] == [{"a": ["weights"]},
+                                 {"a": ["weights"], "b": ["weights"]},  # b may stay awake
+                                 {"a": ["weights"], "b": ["weights"], "c": []}]
+    assert out["c"] == {"a": [], "b": ["weights"], "c": ["weights"]}
+    assert out["a_resident"] == 0  # its sleep was real, and verified
+    assert out["a"] == {"a": ["weights"], "b": [], "c": ["weights"]}
+    assert out["again"] == out["a"]
+    assert out["awake_intact"] == [True, True]  # a slept and woke with its contents
+
+
+def test_a_new_policy_is_chosen_by_name_from_the_policies_table(monkeypatch):
+    monkeypatch.setitem(POLICIES, "two", type("Two", (AtMostTwoAwake,), {
+        "from_config": classmethod(lambda cls, config: cls())}))
+    assert type(ArbiterConfig(policy="two").make_policy()).__name__ == "Two"
+    assert isinstance(SlotArbiter([0], ArbiterConfig(policy="two")).policy, AtMostTwoAwake)
+
+
+def lost_contents_scenario() -> dict:
+    tenant, _, _ = make_tenant("lossy", 1, seed=0, cache_mib=1)
+    tenant.sleep()
+    tenant.wake(["weights", "kv_cache"])
+    out = {"after_sleep": (tenant.lost("weights"), tenant.lost("kv_cache"))}
+    tenant.refilled("kv_cache")
+    out["refilled"] = tenant.lost("kv_cache")
+    tenant.sleep(["weights"])  # the cache stays awake: nothing of it is lost
+    out["weights_only"] = tenant.lost("kv_cache")
+    return out
+
+
+def test_a_stage_without_backup_is_lost_at_a_sleep_until_refilled(isolated):
+    out = isolated(lost_contents_scenario)
+    assert out == {"after_sleep": (False, True), "refilled": False, "weights_only": False}
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="policy"):
         ArbiterConfig(policy="fifo")
+    with pytest.raises(ValueError, match="policy"):
+        ArbiterConfig(policy=object())  # answers none of the policy's questions
     with pytest.raises(ValueError, match="release_fraction"):
         ArbiterConfig(release_fraction=0)
     with pytest.raises(ValueError, match="call_timeout_s"):

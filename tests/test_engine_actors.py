@@ -106,3 +106,10 @@ async def test_generator_on_another_host_reads_over_rdma(model_dir):
         assert await generator.checksum.route() == trained
         after = await generator.generate.route(PROMPTS, GREEDY)
         assert [c.tokens for c in after] != [c.tokens for c in before]
+
+
+def test_engine_actors_sleep_wake_and_describe_through_their_engines_tenancy():
+    """One path: `TenantActor`'s endpoints act on `self.tenancy`, which each engine actor
+    takes from its engine; none writes the three endpoints again."""
+    for cls in (TrainerActor, GeneratorActor):
+        assert not {"sleep", "wake", "describe"} & set(vars(cls)), cls.__name__

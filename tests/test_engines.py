@@ -162,14 +162,14 @@ def test_generator_refuses_bad_calls_and_bad_weights_whole(model_dirs):
         with pytest.raises(ValueError, match=f"nothing was written.*{message}"):
             gen.load_weights({n: t.clone() + 1 for n, t in bad.items()}.items())
         assert digest(gen.weights().tensors()) == before, name
-    gen.sleep()
+    gen.tenancy.sleep()
     with pytest.raises(memory.TagPausedError):
         gen.generate(prompts(model_dirs["llama"]), GREEDY)
     with pytest.raises(memory.TagPausedError):
         gen.load_weights(good.items())
     with pytest.raises(KeyError, match="unknown stage"):
-        gen.wake(["weights", "optimizer"])
-    gen.wake(["weights"])
+        gen.tenancy.wake(["weights", "optimizer"])
+    gen.tenancy.wake(["weights"])
     assert digest(gen.weights().tensors()) == before
 
 
@@ -181,11 +181,11 @@ def trainer_sleep_scenario(path: str) -> dict:
     twin = PolicyTrainer(load_model(path), prefix="twin")
     losses = [slept.step(sum_loss, batch)["loss"] for _ in range(3)]
     twin_losses = [twin.step(sum_loss, batch)["loss"] for _ in range(3)]
-    info = slept.describe()
+    info = slept.tenancy.describe()
     before = telemetry.process_rss()
-    released = slept.sleep()
+    released = slept.tenancy.sleep()
     after = telemetry.process_rss()
-    slept.wake(list(slept.tenancy.stages))
+    slept.tenancy.wake(list(slept.tenancy.stages))
     params = sum(p.numel() * 4 for p in slept.model.parameters())
     return {
         "losses": losses, "twin_losses": twin_losses, "stages": info.stages,
@@ -306,8 +306,9 @@ def handoff_scenario(path: str, fail: bool) -> dict:
         trainer = PolicyTrainer(net(path, seed=7), prefix="trainer")
         gen = RecordingGenerator(net(path, seed=8), prefix="generator")
         gen.fail = fail
-        await arbiter.register(0, LocalTenantHandle("trainer", trainer))
-        await arbiter.register(0, LocalTenantHandle("generator", gen))  # put to sleep
+        await arbiter.register(0, LocalTenantHandle("trainer", trainer.tenancy))
+        # the generator is put to sleep
+        await arbiter.register(0, LocalTenantHandle("generator", gen.tenancy, gen.receive))
         trainer.step(sum_loss, torch.tensor([[1, 4, 5]]))
         trained, old = digest(trainer.weights().tensors()), None
         out = {}
@@ -354,8 +355,9 @@ def discarded_weights_scenario(path: str) -> dict:
         gen = TorchGenerator(net(path, seed=8), prefix="generator", keep_weights=False)
         batch = prompts(path)
         before = [c.tokens for c in gen.generate(batch, GREEDY)]  # its own weights: fine
-        await arbiter.register(0, LocalTenantHandle("trainer", trainer))
-        await arbiter.register(0, LocalTenantHandle("generator", gen))  # put to sleep
+        await arbiter.register(0, LocalTenantHandle("trainer", trainer.tenancy))
+        # the generator is put to sleep
+        await arbiter.register(0, LocalTenantHandle("generator", gen.tenancy, gen.receive))
         await arbiter.wake("generator")  # woken with no weights loaded since
         reference = net(path, seed=8)
         out = {"before": before == [hf_greedy(reference, p, GREEDY) for p in batch]}

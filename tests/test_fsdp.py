@@ -58,11 +58,11 @@ def fsdp_rank(rank: int, port: int, path: str, out: str) -> None:
         twin_losses.append(twin.step(ce_loss, batch)["loss"])
         mixed_losses.append(mixed.step(ce_loss, batch)["loss"])
         shard = digest((n, p.to_local()) for n, p in slept.model.named_parameters())
-        info = slept.describe()
+        info = slept.tenancy.describe()
         before = telemetry.process_rss()
-        released = slept.sleep()
+        released = slept.tenancy.sleep()
         asleep = telemetry.process_rss()
-        slept.wake(list(slept.tenancy.stages))
+        slept.tenancy.wake(list(slept.tenancy.stages))
         cycles.append({
             "tagged": info.tagged_bytes, "released": released, "rss_drop": before - asleep,
             "restored": digest((n, p.to_local()) for n, p in slept.model.named_parameters())

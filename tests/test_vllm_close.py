@@ -27,6 +27,6 @@ def test_close_on_cuda_wakes_sleeping_stages_before_shutdown():
     stages = object.__new__(vllm_generator.NativeSleep)
     stages.llm, stages.awake = llm, {"weights"}  # the cache sleeps (a partial sleep)
     gen = object.__new__(vllm_generator.VLLMGenerator)
-    gen.llm, gen._stages, gen._tags = llm, stages, []
+    gen.llm, gen.tenancy, gen._tags = llm, stages, []
     gen.close()
     assert llm.calls == [("wake_up", ("kv_cache",)), ("shutdown",)]

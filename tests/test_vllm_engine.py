@@ -54,7 +54,7 @@ def engine(model_path: str) -> Iterator[VLLMGenerator]:
     PROMPTS[:] = [tokenizer(text).input_ids for text in TEXTS]
     engine = VLLMGenerator(model_path, max_batch=16)
     yield engine
-    engine.sleep()
+    engine.tenancy.sleep()
     engine.close()  # asleep: its tags end active and empty, their backup files closed
     for tag in ("vllm/weights", "vllm/kv_cache"):
         assert memory.state(tag) is memory.TagState.ACTIVE and memory.tagged_bytes(tag) == 0
@@ -107,22 +107,22 @@ def test_sampling_stops_and_scores_under_the_temperature(engine: VLLMGenerator,
 def test_sleep_releases_memory_and_wake_restores_it(engine: VLLMGenerator,
                                                     model: Model) -> None:
     before, weights = engine.generate(PROMPTS, GREEDY), digest(engine.weights().tensors())
-    info = engine.describe()
+    info = engine.tenancy.describe()
     assert info.pid == os.getpid()  # the worker runs in this process
     cache = info.tagged_bytes - weight_bytes(model)
     assert weight_bytes(model) >= 32 << 20 and cache > 0
     assert info.resident_bytes == info.tagged_bytes and info.awake_stages == info.stages
 
     rss_awake = telemetry.read_pid(info.pid).used_bytes
-    assert engine.sleep() == info.tagged_bytes
+    assert engine.tenancy.sleep() == info.tagged_bytes
     rss_asleep = telemetry.read_pid(info.pid).used_bytes
     assert rss_awake - rss_asleep >= 0.9 * info.tagged_bytes
-    assert engine.describe().resident_bytes == 0 and engine.awake_stages() == ()
-    assert engine.sleep() == 0  # nothing left to release
+    assert engine.tenancy.describe().resident_bytes == 0 and engine.tenancy.awake_stages() == ()
+    assert engine.tenancy.sleep() == 0  # nothing left to release
 
-    engine.wake(["weights", "kv_cache"])
+    engine.tenancy.wake(["weights", "kv_cache"])
     assert telemetry.read_pid(info.pid).used_bytes - rss_asleep >= 0.9 * info.tagged_bytes
-    assert engine.describe() == info
+    assert engine.tenancy.describe() == info
     assert digest(engine.weights().tensors()) == weights
     assert engine.generate(PROMPTS, GREEDY) == before
 
@@ -160,26 +160,26 @@ def test_bad_weights_are_refused_whole(engine: VLLMGenerator, model: Model) -> N
 
 def test_bad_transitions_raise_clear_errors(engine: VLLMGenerator, model: Model) -> None:
     expected = engine.generate(PROMPTS, GREEDY)
-    engine.sleep(["kv_cache"])
-    assert engine.awake_stages() == ("weights",)
+    engine.tenancy.sleep(["kv_cache"])
+    assert engine.tenancy.awake_stages() == ("weights",)
     with pytest.raises(memory.TagPausedError, match=r"generate needs \['kv_cache'\] awake"):
         engine.generate(PROMPTS, GREEDY)
     engine.load_weights(model.state_dict().items())  # a handoff: weights awake, cache not
 
-    engine.sleep()
+    engine.tenancy.sleep()
     with pytest.raises(memory.TagPausedError, match=r"load_weights needs \['weights'\]"):
         engine.load_weights(model.state_dict().items())
     with pytest.raises(KeyError, match=r"'optimizer'.*stages are \['weights', 'kv_cache'\]"):
-        engine.wake(["optimizer"])
+        engine.tenancy.wake(["optimizer"])
     with pytest.raises(KeyError, match="optimizer"):
-        engine.sleep(["optimizer"])
-    assert engine.awake_stages() == ()
+        engine.tenancy.sleep(["optimizer"])
+    assert engine.tenancy.awake_stages() == ()
 
-    engine.wake(["kv_cache"])  # either order; each wake is idempotent
-    engine.wake(["kv_cache"])
-    assert engine.awake_stages() == ("kv_cache",)
-    engine.wake(["weights"])
-    assert engine.awake_stages() == ("weights", "kv_cache")
+    engine.tenancy.wake(["kv_cache"])  # either order; each wake is idempotent
+    engine.tenancy.wake(["kv_cache"])
+    assert engine.tenancy.awake_stages() == ("kv_cache",)
+    engine.tenancy.wake(["weights"])
+    assert engine.tenancy.awake_stages() == ("weights", "kv_cache")
     assert engine.generate(PROMPTS, GREEDY) == expected
 
 

@@ -1,7 +1,8 @@
 """The arbiter: per-host time-sharing of slot memory between colocated tenants.
 
 `core.SlotArbiter` holds the logic and runs without Monarch; `actor.Arbiter` is the
-per-host Monarch actor around it; `tenant` is the protocol tenants follow.
+per-host Monarch actor around it; `policy` answers its questions (who sleeps, who may
+share a slot); `tenant` is the protocol tenants follow.
 """
 
 from colocate.arbiter.core import ArbiterConfig, SlotArbiter
@@ -11,11 +12,11 @@ from colocate.arbiter.errors import (
     ReleaseNotVerifiedError,
     SwitchError,
 )
-from colocate.arbiter.policy import Budget, Exclusive
-from colocate.arbiter.tenant import TaggedTenant, TenantHandle, TenantInfo
+from colocate.arbiter.policy import Budget, Exclusive, Policy
+from colocate.arbiter.tenant import TaggedTenant, Tenancy, TenantHandle, TenantInfo
 
 __all__ = [
-    "ArbiterConfig", "ArbiterError", "ArbiterTimeoutError", "Budget", "Exclusive",
-    "ReleaseNotVerifiedError", "SlotArbiter", "SwitchError", "TaggedTenant", "TenantHandle",
-    "TenantInfo",
+    "ArbiterConfig", "ArbiterError", "ArbiterTimeoutError", "Budget", "Exclusive", "Policy",
+    "ReleaseNotVerifiedError", "SlotArbiter", "SwitchError", "TaggedTenant", "Tenancy",
+    "TenantHandle", "TenantInfo",
 ]

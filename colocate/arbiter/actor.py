@@ -2,8 +2,10 @@
 
 A `TenantActor` is a colocated actor (trainer, generator...) whose memory lives under
 `colocate.memory` tags, one per stage; the arbiter reaches it through its own mailbox, so
-a sleep is ordered after the tenant's in-flight work. Tenant endpoints are sync, so a
-subclass's endpoints must be sync too (Monarch does not mix the two in one class).
+a sleep is ordered after the tenant's in-flight work. Its sleep, wake and describe
+endpoints are its tenancy's (`self.tenancy`: a `TaggedTenant` over `stages`, or the one
+its engine hands over). Tenant endpoints are sync, so a subclass's endpoints must be sync
+too (Monarch does not mix the two in one class).
 
 `remote_errors()` lets a caller catch the runtime's own errors (`TagPausedError`...) around
 a direct actor call, which Monarch delivers wrapped in its `ActorError`.
@@ -23,7 +25,7 @@ from monarch.actor import Actor, ActorError, concurrent_endpoint, current_actor_
 
 from colocate.arbiter.core import ArbiterConfig, SlotArbiter
 from colocate.arbiter.errors import ArbiterError
-from colocate.arbiter.tenant import TaggedTenant, TenantInfo
+from colocate.arbiter.tenant import TaggedTenant, Tenancy, TenantInfo
 from colocate.monarch_compat import EndpointProperty
 
 
@@ -75,6 +77,10 @@ class TenantActor(Actor, metaclass=_KeepsInitError):
     `with self.tenancy.region(stage):`, or hand existing tensors to `self.tenancy.adopt`.
     Call `self.tenancy.ensure_awake()` before computing.
 
+    A tenant whose memory an engine manages hands over the engine's tenancy instead, in
+    `__init__`: `self.tenancy = engine.tenancy` (its stages are then the engine's). The
+    endpoints `sleep`, `wake` and `describe` always go to `self.tenancy`.
+
     An exception raised by `__init__` is raised by `started()`, which `rm.spawn` calls
     before registering the tenant: the spawn fails with it and the proc stays usable.
     """
@@ -87,12 +93,18 @@ class TenantActor(Actor, metaclass=_KeepsInitError):
         return current_actor_name().split("<", 1)[0]
 
     @property
-    def tenancy(self) -> TaggedTenant:
+    def tenancy(self) -> Tenancy | TaggedTenant:
+        """What sleeps, wakes and describes this tenant: by default a `TaggedTenant` with one
+        tag per stage, `<tenant name>/<stage>`; or what was set (an engine's tenancy)."""
         if "_tenancy" not in self.__dict__:
             prefix = self.tenant_name
             self._tenancy = TaggedTenant({s: f"{prefix}/{s}" for s in self.stages},
                                          backup=dict(self.stages), name=prefix)
         return self._tenancy
+
+    @tenancy.setter
+    def tenancy(self, tenancy: Tenancy) -> None:
+        self._tenancy = tenancy
 
     @endpoint
     def started(self) -> None:

@@ -24,7 +24,7 @@ from colocate.arbiter.errors import (
     ReleaseNotVerifiedError,
     SwitchError,
 )
-from colocate.arbiter.policy import POLICIES, Budget, Exclusive
+from colocate.arbiter.policy import POLICIES, Policy
 from colocate.arbiter.tenant import TenantHandle, TenantInfo
 
 T = TypeVar("T")
@@ -34,7 +34,7 @@ T = TypeVar("T")
 class ArbiterConfig:
     """How strict and how patient the arbiter is. Validated here, once."""
 
-    policy: str = "exclusive"
+    policy: str | Policy = "exclusive"  # a name in POLICIES, or a policy object
     release_fraction: float = 0.9  # of a sleeper's resident bytes, measured back
     release_timeout_s: float = 10.0
     request_timeout_s: float = 300.0
@@ -44,18 +44,21 @@ class ArbiterConfig:
     headroom_bytes: int = 0  # budget policy
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"ArbiterConfig.policy={self.policy!r}: use one of {list(POLICIES)}")
+        if not (self.policy in POLICIES if isinstance(self.policy, str)
+                else isinstance(self.policy, Policy)):
+            raise ValueError(f"ArbiterConfig.policy={self.policy!r}: use one of "
+                             f"{list(POLICIES)}, or an object that answers what "
+                             "colocate.arbiter.policy.Policy asks")
         if not 0 < self.release_fraction <= 1:
             raise ValueError("ArbiterConfig.release_fraction must be in (0, 1]")
         for name in ("release_timeout_s", "request_timeout_s", "call_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ArbiterConfig.{name} must be > 0")
 
-    def make_policy(self) -> Exclusive | Budget:
-        if self.policy == "budget":
-            return Budget(self.headroom_bytes)
-        return Exclusive()
+    def make_policy(self) -> Policy:
+        if isinstance(self.policy, str):
+            return POLICIES[self.policy].from_config(self)
+        return self.policy
 
 
 @dataclass
@@ -110,6 +113,10 @@ class SlotArbiter:
         if info.device == "cpu":
             return telemetry.read_pid(info.pid)
         return telemetry.read_gpu_uuid_process(info.device, info.pid)
+
+    def _free(self, slot: Slot) -> int | None:
+        """The slot's free memory where the policy needs it, else None (nothing measured)."""
+        return self._free_bytes(slot) if self.policy.measures else None
 
     def _free_bytes(self, slot: Slot) -> int:
         info = next(iter(slot.infos.values()))  # colocated tenants share the process
@@ -190,8 +197,9 @@ class SlotArbiter:
 
     def _check(self, slot: Slot) -> None:
         awake = slot.awake_tenants()
-        if isinstance(self.policy, Exclusive) and len(awake) > 1:
-            raise ArbiterError(f"invariant broken, two tenants awake: {slot.who()}")
+        if not self.policy.may_share(awake):
+            raise ArbiterError(f"invariant broken, {awake} awake together against the "
+                               f"policy: {slot.who()}")
 
     # -- the requests -------------------------------------------------------------------
 
@@ -208,7 +216,7 @@ class SlotArbiter:
             slot.tenants[name], slot.infos[name] = handle, info
             slot.mark(name, info.awake_stages)
             try:
-                if info.awake_stages and others and not self._fits(slot):
+                if info.awake_stages and others and not self._may_stay(slot):
                     await self._sleep_verified(slot, name)
                 self._check(slot)
             except BaseException as err:
@@ -230,13 +238,10 @@ class SlotArbiter:
         if name in slot.woken_order:
             slot.woken_order.remove(name)
 
-    def _fits(self, slot: Slot) -> bool:
-        if isinstance(self.policy, Exclusive):
-            return False
-        return self._free_bytes(slot) >= self.policy.headroom_bytes
-
-    def _policy_free(self, slot: Slot) -> int | None:
-        return None if isinstance(self.policy, Exclusive) else self._free_bytes(slot)
+    def _may_stay(self, slot: Slot) -> bool:
+        """Whether the tenants awake on `slot` may stay so, as the policy sees it."""
+        return self.policy.may_share(slot.awake_tenants()) \
+            and self.policy.has_room(0, self._free(slot))
 
     async def wake(self, name: str, slots: Iterable[int] | None = None,
                    stages: Sequence[str] | None = None) -> None:
@@ -273,19 +278,18 @@ class SlotArbiter:
         if not todo:
             return
         needed = 0
-        if isinstance(self.policy, Budget):  # only the budget needs the tenant's size
+        if self.policy.measures:  # the tenant's size matters to the policy
             info = await self._call(f"{name}.describe", handle.describe())
             slot.infos[name] = info
             needed = info.tagged_bytes - info.resident_bytes
         slept: list[tuple[str, tuple[str, ...]]] = []
         try:
             while victim := self.policy.next_victim(
-                    name, slot.awake_tenants(), needed, self._policy_free(slot)):
+                    name, slot.awake_tenants(), needed, self._free(slot)):
                 stages_before = slot.awake[victim]
                 await self._sleep_verified(slot, victim, waking=name)
                 slept.append((victim, stages_before))
-            if isinstance(self.policy, Budget):
-                self._require_room(slot, name, needed)
+            self._require_room(slot, name, needed)
         except BaseException:
             await self._rewake(slot, slept)
             raise
@@ -299,10 +303,12 @@ class SlotArbiter:
         self._check(slot)
 
     def _require_room(self, slot: Slot, name: str, needed: int) -> None:
-        free = self._free_bytes(slot)
-        if free < needed + self.policy.headroom_bytes:
-            raise SwitchError(f"{name} needs {needed} bytes on slot {slot.index} but only "
-                              f"{free} are free with every other tenant asleep: {slot.who()}")
+        free = self._free(slot)
+        if not self.policy.has_room(needed, free):
+            room = "the policy finds no room" if free is None \
+                else f"it needs {needed} bytes but only {free} are free"
+            raise SwitchError(f"{name} cannot wake on slot {slot.index}: {room} after the "
+                              f"policy's sleeps: {slot.who()}")
 
     async def _undo_wake(self, slot: Slot, name: str,
                          slept: list[tuple[str, tuple[str, ...]]]) -> None:

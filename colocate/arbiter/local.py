@@ -1,4 +1,4 @@
-"""A tenant handle for a tenant object of this process (no actors).
+"""A tenant handle for a tenancy of this process (no actors).
 
 Calls run on a worker thread, so a long pause or resume does not block the event loop.
 Used where the arbiter and its tenants share one plain process: tests, single-GPU tools,
@@ -8,29 +8,32 @@ machines without Monarch.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from colocate.arbiter.tenant import TenantInfo
+from colocate.arbiter.tenant import Tenancy, TenantInfo
 
 
 @dataclass
 class LocalTenantHandle:
-    """`tenant` has sleep(stages)/wake(stages)/describe() (a `TaggedTenant`, or an engine),
-    and receive(source) when it takes weights."""
+    """Reaches `tenancy` (a `TaggedTenant`, or an engine's `.tenancy`); `receiver` (an
+    engine's `receive(source)`) is given for a tenant that takes weights in a handoff."""
 
     name: str
-    tenant: Any
+    tenancy: Tenancy
+    receiver: Callable[[str], int] | None = None
 
     async def sleep(self, stages: Sequence[str] | None = None) -> int:
-        return await asyncio.to_thread(self.tenant.sleep, stages)
+        return await asyncio.to_thread(self.tenancy.sleep, stages)
 
     async def wake(self, stages: Sequence[str]) -> None:
-        await asyncio.to_thread(self.tenant.wake, stages)
+        await asyncio.to_thread(self.tenancy.wake, stages)
 
     async def describe(self) -> TenantInfo:
-        return await asyncio.to_thread(self.tenant.describe)
+        return await asyncio.to_thread(self.tenancy.describe)
 
     async def receive(self, source: str) -> int:
-        return await asyncio.to_thread(self.tenant.receive, source)
+        if self.receiver is None:
+            raise TypeError(f"{self.name} takes no weights: give its handle a receiver to "
+                            f"make it the target of a handoff from {source}")
+        return await asyncio.to_thread(self.receiver, source)

@@ -1,9 +1,12 @@
-"""The tenant protocol: what the arbiter asks of a colocated actor on one slot.
+"""The tenant protocol: what the arbiter asks of a colocated tenant on one slot.
 
 A tenant sleeps (releases its memory), wakes stage by stage (e.g. "weights" then
-"kv_cache"), and describes itself (process, device, bytes per stage). `TaggedTenant` is the
-default: each stage is a `colocate.memory` tag of the tenant's process. Engines with their
-own sleep (vLLM) implement the same three calls.
+"kv_cache"), and describes itself (process, device, bytes per stage). A `Tenancy` is the
+object in the tenant's process that does these three; `TenantHandle` is how the arbiter
+reaches it (an actor, or an object of the arbiter's own process). `TaggedTenant` is the
+default tenancy: each stage is a `colocate.memory` tag of the tenant's process. An engine
+with its own sleep (vLLM) has its own tenancy, and a tenant actor delegates to its
+engine's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,21 @@ class TenantInfo:
     awake_stages: tuple[str, ...]
     resident_bytes: int  # held now
     tagged_bytes: int  # held when fully awake
+
+
+class Tenancy(Protocol):
+    """The three calls of a tenant, in its own process (`TaggedTenant`, or an engine's)."""
+
+    def sleep(self, stages: Sequence[str] | None = None) -> int:
+        """Release `stages` that are awake (default: every stage); returns the bytes they
+        held."""
+        ...
+
+    def wake(self, stages: Sequence[str]) -> None:
+        """Bring `stages` back, in that order; awake stages are left as they are."""
+        ...
+
+    def describe(self) -> TenantInfo: ...
 
 
 class TenantHandle(Protocol):
@@ -65,6 +83,7 @@ class TaggedTenant:
     stages: Mapping[str, str]
     backup: Mapping[str, bool] = field(default_factory=dict)
     name: str | None = None
+    _lost: set[str] = field(default_factory=set, init=False, repr=False)
 
     def region(self, stage: str, device: str | torch.device | None = None):
         """Allocate the stage's memory inside this block."""
@@ -101,7 +120,20 @@ class TaggedTenant:
             if memory.state(tag) is memory.TagState.ACTIVE:
                 released += memory.resident_bytes(tag)
                 memory.pause(tag)
+                if not self.backup.get(stage, True):
+                    self._lost.add(stage)
         return released
+
+    def lost(self, stage: str) -> bool:
+        """Whether `stage` (one without backup) lost its contents at a sleep since it was
+        last `refilled`."""
+        self._check_stages([stage])
+        return stage in self._lost
+
+    def refilled(self, stage: str) -> None:
+        """Say that `stage` holds good contents again (new weights were written into it)."""
+        self._check_stages([stage])
+        self._lost.discard(stage)
 
     def wake(self, stages: Sequence[str]) -> None:
         """Resume `stages` in order (stages with no memory yet need nothing)."""

@@ -1,7 +1,9 @@
 """The engines as colocated tenants: `TrainerActor` and `GeneratorActor` on Monarch procs.
 
 Both load the same local Hugging Face directory (`models.load_model`; vLLM loads it
-itself), so they start with the same weights. A trainer and a generator spawned in one
+itself), so they start with the same weights. Each hands its engine's tenancy to
+`TenantActor` (`self.tenancy = engine.tenancy`), whose sleep, wake and describe endpoints
+then act on the engine's stages. A trainer and a generator spawned in one
 resource group share each proc; `ResourceManager.handoff(trainer, generator)` then passes
 the trainer's weights to the generator in place (see `SlotArbiter.handoff`). Across procs
 of one host the trainer's `export_weights` and the generator's `load_exported` go through
@@ -16,7 +18,6 @@ from typing import Any
 from monarch.actor import endpoint
 
 from colocate.arbiter.actor import TenantActor
-from colocate.arbiter.tenant import TenantInfo
 from colocate.engines import generator, trainer
 from colocate.engines.models import load_model
 from colocate.engines.sampling import Completion, SamplingParams
@@ -40,25 +41,12 @@ class TrainerActor(TenantActor):
     AdamW step. `options` go to `PolicyTrainer` (parallel="ddp"|"fsdp", mixed_precision,
     activation_checkpointing, bucket_mb...)."""
 
-    stages = trainer.STAGES
-
     def __init__(self, model_dir: str, lr: float = 1e-3, **options: Any) -> None:
         self.trainer = trainer.PolicyTrainer(load_model(model_dir), lr=lr,
                                              prefix=self.tenant_name, **options)
+        self.tenancy = self.trainer.tenancy
         self.exports = 0
         self.offered: list = []  # the tensors under the last RDMA offer, kept alive
-
-    @endpoint
-    def sleep(self, stages: list[str] | None = None) -> int:
-        return self.trainer.sleep(stages)
-
-    @endpoint
-    def wake(self, stages: list[str]) -> None:
-        self.trainer.wake(stages)
-
-    @endpoint
-    def describe(self) -> TenantInfo:
-        return self.trainer.describe()
 
     @endpoint
     def train_step(self, loss_fn: trainer.LossFn, batch: Any) -> dict[str, float]:
@@ -105,8 +93,6 @@ class TrainerActor(TenantActor):
 class GeneratorActor(TenantActor):
     """A generator engine ("torch": `TorchGenerator`; "vllm": `VLLMGenerator`) on one proc."""
 
-    stages = generator.STAGES
-
     def __init__(self, model_dir: str, engine: str = "torch", max_batch: int = 64,
                  **options: Any) -> None:
         if engine not in ENGINES:
@@ -122,18 +108,7 @@ class GeneratorActor(TenantActor):
 
             self.engine = VLLMGenerator(model_dir, max_batch=max_batch,
                                         prefix=self.tenant_name, **options)
-
-    @endpoint
-    def sleep(self, stages: list[str] | None = None) -> int:
-        return self.engine.sleep(stages)
-
-    @endpoint
-    def wake(self, stages: list[str]) -> None:
-        self.engine.wake(stages)
-
-    @endpoint
-    def describe(self) -> TenantInfo:
-        return self.engine.describe()
+        self.tenancy = self.engine.tenancy
 
     @endpoint
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:

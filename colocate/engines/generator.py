@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from colocate.arbiter.tenant import TaggedTenant, TenantInfo
+from colocate.arbiter.tenant import TaggedTenant
 from colocate.engines.sampling import Completion, SamplingParams
 from colocate.engines.weights import WeightStream, copy_weights, published
 
@@ -31,7 +31,8 @@ class WeightsDiscardedError(RuntimeError):
 
 class TorchGenerator:
     """Generates with `model` (a transformers causal LM) on `device`; its memory is tagged
-    under `prefix`."""
+    under `prefix`, one tag per stage of `STAGES`: `tenancy` sleeps, wakes and describes
+    it."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int = 64, prefix: str = "generator",
                  device: str | torch.device | None = None, keep_weights: bool = True) -> None:
@@ -40,27 +41,12 @@ class TorchGenerator:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         stages = {**STAGES, "weights": keep_weights}
         self.tenancy = TaggedTenant({s: f"{prefix}/{s}" for s in stages}, backup=stages)
-        self.keep_weights, self.weights_discarded = keep_weights, False
         self.model = model.to(device).eval().requires_grad_(False)
         # the tensors a weight sync refills; derived buffers (rotary frequencies) stay
         # untagged: they are small, and no sync would bring them back if discarded
         self.tenancy.adopt(list(self.model.state_dict().values()), "weights")
         self.max_len = self.model.config.max_position_embeddings
         self.max_batch, self.device = max_batch, device
-
-    # -- the tenant's three calls ----------------------------------------------------------
-
-    def sleep(self, stages: Sequence[str] | None = None) -> int:
-        released = self.tenancy.sleep(stages)
-        if not self.keep_weights and "weights" not in self.tenancy.awake_stages():
-            self.weights_discarded = True
-        return released
-
-    def wake(self, stages: Sequence[str]) -> None:
-        self.tenancy.wake(stages)
-
-    def describe(self) -> TenantInfo:
-        return self.tenancy.describe()
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -70,7 +56,7 @@ class TorchGenerator:
         written."""
         self.tenancy.ensure_stage("weights")
         copied = copy_weights(self.model, weights)  # all of them, or nothing
-        self.weights_discarded = False
+        self.tenancy.refilled("weights")
         return copied
 
     def receive(self, source: str) -> int:
@@ -81,6 +67,12 @@ class TorchGenerator:
         self.tenancy.ensure_stage("weights")
         self._ensure_weights()
         return WeightStream.of(self.model.state_dict().items())
+
+    @property
+    def weights_discarded(self) -> bool:
+        """Whether the weights were discarded at a sleep (`keep_weights=False`) and none
+        were loaded since."""
+        return self.tenancy.lost("weights")
 
     def _ensure_weights(self) -> None:
         if self.weights_discarded:

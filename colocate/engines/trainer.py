@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from colocate.arbiter.tenant import TaggedTenant, TenantInfo
+from colocate.arbiter.tenant import TaggedTenant
 from colocate.engines.fsdp_gather import gather_full
 from colocate.engines.models import decoder_layers
 from colocate.engines.weights import WeightStream, publish
@@ -45,7 +45,7 @@ LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]
 
 class PolicyTrainer:
     """Trains `model` (a transformers causal LM) with AdamW; its memory is tagged under
-    `prefix`."""
+    `prefix`, one tag per stage of `STAGES`: `tenancy` sleeps, wakes and describes it."""
 
     def __init__(self, model: torch.nn.Module, lr: float = 1e-3, weight_decay: float = 0.0,
                  max_grad_norm: float | None = 1.0, prefix: str = "trainer",
@@ -89,15 +89,6 @@ class PolicyTrainer:
     def sharded(self) -> bool:
         """Whether full weights need every rank (an all-gather per bucket)."""
         return self.parallel == "fsdp"
-
-    def sleep(self, stages: list[str] | None = None) -> int:
-        return self.tenancy.sleep(stages)
-
-    def wake(self, stages: list[str]) -> None:
-        self.tenancy.wake(stages)
-
-    def describe(self) -> TenantInfo:
-        return self.tenancy.describe()
 
     def step(self, loss_fn: LossFn, batch: Any) -> dict[str, float]:
         """One optimizer step on `loss_fn(module, batch)` -> (loss, metrics); returns the

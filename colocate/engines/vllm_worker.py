@@ -34,7 +34,7 @@ import vllm.model_executor.layers.utils as vllm_layer_utils
 from torch import nn
 from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 
-from colocate import memory
+from colocate.arbiter.tenant import TaggedTenant, TenantInfo
 from colocate.engines.weights import check_weights
 from colocate.memory.storages import collect
 
@@ -105,34 +105,25 @@ class ColocateWorker:
 
     def colocate_adopt(self, prefix: str) -> dict[str, int]:
         """Put the model under tag `<prefix>/weights` and the KV cache under
-        `<prefix>/kv_cache` of this process; returns the bytes of each."""
-        self.colocate_tags = {stage: f"{prefix}/{stage}" for stage in BACKUP}
+        `<prefix>/kv_cache` of this process, one stage each of this worker's tenancy;
+        returns the bytes of each."""
+        self.colocate_tenancy = TaggedTenant({stage: f"{prefix}/{stage}" for stage in BACKUP},
+                                             backup=BACKUP)
         runner = self.model_runner
         owned = {"weights": runner.model, "kv_cache": runner.kv_caches}
-        return {stage: memory.adopt(owned[stage], tag, backup=BACKUP[stage])
-                for stage, tag in self.colocate_tags.items()}
+        return {stage: self.colocate_tenancy.adopt(owned[stage], stage) for stage in BACKUP}
 
     def colocate_sleep(self, stages: list[str]) -> int:
         """Pause `stages` that are awake, cache first; returns the bytes they held."""
-        released = 0
-        for stage in reversed(list(self.colocate_tags)):
-            tag = self.colocate_tags[stage]
-            if stage in stages and memory.state(tag) is memory.TagState.ACTIVE:
-                released += memory.resident_bytes(tag)
-                memory.pause(tag)
-        return released
+        return self.colocate_tenancy.sleep(stages)
 
-    def colocate_wake(self, stage: str) -> None:
-        tag = self.colocate_tags[stage]
-        if memory.state(tag) is memory.TagState.PAUSED:
-            memory.resume(tag)
+    def colocate_wake(self, stages: list[str]) -> None:
+        """Resume `stages` that sleep, in that order."""
+        self.colocate_tenancy.wake(stages)
 
-    def colocate_status(self) -> tuple[int, tuple[str, ...], int, int]:
-        """(pid, awake stages, resident bytes, tagged bytes) of this process's tags."""
-        tags = self.colocate_tags
-        awake = tuple(s for s, tag in tags.items() if memory.state(tag) is memory.TagState.ACTIVE)
-        return (os.getpid(), awake, sum(memory.resident_bytes(t) for t in tags.values()),
-                sum(memory.tagged_bytes(t) for t in tags.values()))
+    def colocate_describe(self) -> TenantInfo:
+        """This process's tags: pid, awake stages, resident and tagged bytes."""
+        return self.colocate_tenancy.describe()
 
     def colocate_sizes(self) -> tuple[int, dict[str, int]]:
         """(pid, bytes of each stage's tensors), for engines that sleep without tags (CUDA)."""

@@ -60,8 +60,9 @@ def turns_with_handoff(rounds: int, keep_weights: bool) -> dict:
         gen = TorchGenerator(_model(1), max_batch=8, prefix="generator", device="cuda",
                              keep_weights=keep_weights)
         arbiter = SlotArbiter([0])
-        await arbiter.register(0, LocalTenantHandle("trainer", trainer))
-        await arbiter.register(0, LocalTenantHandle("generator", gen))  # put to sleep
+        await arbiter.register(0, LocalTenantHandle("trainer", trainer.tenancy))
+        # the generator is put to sleep
+        await arbiter.register(0, LocalTenantHandle("generator", gen.tenancy, gen.receive))
         batch = torch.tensor([PROMPTS[0]], device="cuda")
         out = {"rounds": []}
         for _ in range(rounds):
@@ -74,7 +75,7 @@ def turns_with_handoff(rounds: int, keep_weights: bool) -> dict:
             # not the trainer's to release: the handoff's release_cached() returns it too
             memory.release_cached()
             trainer_awake = _used()
-            tagged = trainer.describe().tagged_bytes
+            tagged = trainer.tenancy.describe().tagged_bytes
             await arbiter.handoff("trainer", "generator")
             generator_awake = _used()
             tokens = [c.tokens for c in gen.generate(PROMPTS, GREEDY)]
@@ -83,8 +84,8 @@ def turns_with_handoff(rounds: int, keep_weights: bool) -> dict:
                 "synced": digest(gen.weights().tensors()) == trained,
                 "greedy_equal": tokens == reference,
                 "released": trainer_awake - generator_awake,
-                "expected": tagged - gen.describe().tagged_bytes})
-        out["trainer_tagged"] = trainer.describe().tagged_bytes
+                "expected": tagged - gen.tenancy.describe().tagged_bytes})
+        out["trainer_tagged"] = trainer.tenancy.describe().tagged_bytes
         return out
 
     return asyncio.run(run())

@@ -52,12 +52,12 @@ def fsdp_rank(rank: int, world: int, port: int, queue) -> None:
         out["losses"].append(slept.step(_loss, batch)["loss"])
         out["twin"].append(twin.step(_loss, batch)["loss"])
         shard = digest((n, p.to_local()) for n, p in slept.model.named_parameters())
-        tagged = slept.describe().tagged_bytes
+        tagged = slept.tenancy.describe().tagged_bytes
         memory.release_cached()
         before = _used()
-        slept.sleep()
+        slept.tenancy.sleep()
         asleep = _used()
-        slept.wake(list(slept.tenancy.stages))
+        slept.tenancy.wake(list(slept.tenancy.stages))
         out["cycles"].append({
             "tagged": tagged, "released": before - asleep,
             "restored": digest((n, p.to_local()) for n, p in slept.model.named_parameters())
