@@ -169,10 +169,10 @@ def judge_procs(start: dict[str, Any], end: dict[str, Any], fd_slack: int,
             "ok": bool(after["fds"] - before["fds"] <= fd_slack
                        and after["threads"] - before["threads"] <= thread_slack
                        and not new_shm)})
-    machine = {"shm_entries": (len(start["shm"]), len(end["shm"])),
-               "shm_new": sorted(set(end["shm"]) - set(start["shm"])),
-               "new_procs": sorted(set(end["procs"]) - set(start["procs"]))}
-    return rows, machine
+    system = {"shm_entries": (len(start["shm"]), len(end["shm"])),
+              "shm_new": sorted(set(end["shm"]) - set(start["shm"])),
+              "new_procs": sorted(set(end["procs"]) - set(start["procs"]))}
+    return rows, system
 
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
@@ -251,7 +251,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, 
     window = min(args.window, max(1, (steps - args.warmup) // 2))
     series = rss_after_sleeps(result["probes"], result["step_starts"])
     rss_rows = judge_rss(series, args.warmup, window, steps, args.rss_slack_mib * MIB)
-    proc_rows, machine = judge_procs(result["start"], result["end"], args.fd_slack,
+    proc_rows, system = judge_procs(result["start"], result["end"], args.fd_slack,
                                      args.thread_slack)
     caught = {p["pid"]: p["warnings"] for p in result["probes"] if p["warnings"]}
     switch = {}
@@ -286,9 +286,9 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, 
         print(f"| {r['pid']} {r['name']} | {r['rss_mib'][0]:.0f} → {r['rss_mib'][1]:.0f} | "
               f"{r['fds'][0]} → {r['fds'][1]} | {r['threads'][0]} → {r['threads'][1]} | "
               f"{r['shm'][0]} → {r['shm'][1]} | {'ok' if r['ok'] else 'GREW'} |")
-    print(f"\n/dev/shm entries on the machine: {machine['shm_entries'][0]} → "
-          f"{machine['shm_entries'][1]} (other jobs too); new: {machine['shm_new'] or 'none'}; "
-          f"processes started after the warm-up: {machine['new_procs'] or 'none'}")
+    print(f"\n/dev/shm entries on the machine: {system['shm_entries'][0]} → "
+          f"{system['shm_entries'][1]} (other jobs too); new: {system['shm_new'] or 'none'}; "
+          f"processes started after the warm-up: {system['new_procs'] or 'none'}")
     print(f"ResidualGrowthWarning: {caught or 'none'}")
     for probe in result["probes"]:
         print(f"pid {probe['pid']}: its switch timeline holds {probe['timeline']['events']} "
@@ -302,7 +302,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, 
               f"{value['last_p10_ms']:.1f} | {value['p10_ratio']:.2f} |")
     print(f"\nchecks: {json.dumps(checks)}")
     figures = {"steps": steps, "seconds": elapsed, "window": window, "warmup": args.warmup,
-               "checks": checks, "rss": rss_rows, "procs": proc_rows, "machine": machine,
+               "checks": checks, "rss": rss_rows, "procs": proc_rows, "system": system,
                "warnings": caught, "switch": switch,
                "timelines": {p["pid"]: p["timeline"] for p in result["probes"]},
                "load_average_end": os.getloadavg()}
