@@ -1,12 +1,15 @@
 """ServiceConfig: the shape of a service and how it routes, heals and scales.
 
-All validation happens here, in one place, before anything is spawned; every error names
-the field and the limit.
+All validation happens here, in one place, before anything is spawned: each field's type
+(ints are ints, not bools or floats; numbers are finite), then its range, then how the fields
+fit together; every error names the field, the value and what to give instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from colocate.checks import check_bool, check_choice, check_int, check_name, check_number
 
 ROUTERS = ("round_robin", "least_loaded", "sticky")
 WHEN_ASLEEP = ("wait", "wake", "fail")
@@ -48,35 +51,34 @@ class ServiceConfig:
         def fail(message: str) -> None:
             raise ServiceConfigError(f"ServiceConfig: {message}")
 
+        problems = (
+            *(check_int(name, getattr(self, name), 1) for name in (
+                "num_replicas", "hosts_per_replica")),
+            *(check_int(name, getattr(self, name), 1, optional=True) for name in (
+                "min_replicas", "max_replicas", "procs_per_host", "procs_per_replica")),
+            check_int("max_retries", self.max_retries, 0),
+            *(check_bool(name, getattr(self, name)) for name in ("with_gpus", "respawn")),
+            check_name("resource_group", self.resource_group, optional=True),
+            check_choice("router", self.router, ROUTERS),
+            check_choice("when_asleep", self.when_asleep, WHEN_ASLEEP),
+            *(check_number(name, getattr(self, name), above=0) for name in (
+                "wait_timeout_s", "scale_cooldown_s", "scale_up_queue_depth")),
+            check_number("scale_down_utilization", self.scale_down_utilization, at_least=0,
+                         below=1),
+        )
+        for problem in problems:
+            if problem:
+                fail(problem)
         if self.procs_per_host is not None and self.procs_per_replica is not None:
             fail("give procs_per_host or procs_per_replica (the one-host shorthand), not both")
         if self.procs_per_replica is not None and self.hosts_per_replica != 1:
             fail(f"procs_per_replica is for one-host replicas; hosts_per_replica="
                  f"{self.hosts_per_replica}: use procs_per_host instead")
-        if self.procs < 1:
-            fail(f"procs_per_host={self.procs} must be at least 1")
-        if self.hosts_per_replica < 1:
-            fail(f"hosts_per_replica={self.hosts_per_replica} must be at least 1")
-        if self.num_replicas < 1:
-            fail(f"num_replicas={self.num_replicas} must be at least 1")
-        if self.min < 1:
-            fail(f"min_replicas={self.min} must be at least 1")
         if self.min > self.max:
             fail(f"min_replicas={self.min} is above max_replicas={self.max}")
         if not self.min <= self.num_replicas <= self.max:
             fail(f"num_replicas={self.num_replicas} is outside [min_replicas={self.min}, "
                  f"max_replicas={self.max}]")
-        if self.router not in ROUTERS:
-            fail(f"router={self.router!r}: use one of {ROUTERS}")
-        if self.when_asleep not in WHEN_ASLEEP:
-            fail(f"when_asleep={self.when_asleep!r}: use one of {WHEN_ASLEEP}")
-        if self.max_retries < 0:
-            fail(f"max_retries={self.max_retries} must be >= 0")
-        for name in ("wait_timeout_s", "scale_cooldown_s", "scale_up_queue_depth"):
-            if getattr(self, name) <= 0:
-                fail(f"{name}={getattr(self, name)} must be > 0")
-        if not 0 <= self.scale_down_utilization < 1:
-            fail(f"scale_down_utilization={self.scale_down_utilization} must be in [0, 1)")
 
     @property
     def procs(self) -> int:

@@ -26,13 +26,19 @@ from colocate.arbiter.errors import (
 )
 from colocate.arbiter.policy import POLICIES, Policy
 from colocate.arbiter.tenant import TenantHandle, TenantInfo
+from colocate.checks import check_choice, check_int, check_number
 
 T = TypeVar("T")
 
 
+class ArbiterConfigError(ArbiterError, ValueError):
+    """An ArbiterConfig field of the wrong type or out of range, named in the message."""
+
+
 @dataclass(frozen=True)
 class ArbiterConfig:
-    """How strict and how patient the arbiter is. Validated here, once."""
+    """How strict and how patient the arbiter is. Validated here, once: each field's type
+    (numbers finite, byte counts ints), then its range."""
 
     policy: str | Policy = "exclusive"  # a name in POLICIES, or a policy object
     release_fraction: float = 0.9  # of a sleeper's resident bytes, measured back
@@ -44,16 +50,19 @@ class ArbiterConfig:
     headroom_bytes: int = 0  # budget policy
 
     def __post_init__(self) -> None:
-        if not (self.policy in POLICIES if isinstance(self.policy, str)
-                else isinstance(self.policy, Policy)):
-            raise ValueError(f"ArbiterConfig.policy={self.policy!r}: use one of "
-                             f"{list(POLICIES)}, or an object that answers what "
-                             "colocate.arbiter.policy.Policy asks")
-        if not 0 < self.release_fraction <= 1:
-            raise ValueError("ArbiterConfig.release_fraction must be in (0, 1]")
-        for name in ("release_timeout_s", "request_timeout_s", "call_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ArbiterConfig.{name} must be > 0")
+        policy = None if isinstance(self.policy, Policy) \
+            else check_choice("policy", self.policy, POLICIES)
+        for problem in (
+                policy and f"{policy}, or an object that answers what "
+                "colocate.arbiter.policy.Policy asks",
+                check_number("release_fraction", self.release_fraction, above=0, at_most=1),
+                *(check_number(name, getattr(self, name), above=0) for name in (
+                    "release_timeout_s", "request_timeout_s", "call_timeout_s")),
+                check_int("min_verified_bytes", self.min_verified_bytes, 0),
+                check_int("slot_capacity_bytes", self.slot_capacity_bytes, 1, optional=True),
+                check_int("headroom_bytes", self.headroom_bytes, 0)):
+            if problem:
+                raise ArbiterConfigError(f"ArbiterConfig.{problem}")
 
     def make_policy(self) -> Policy:
         if isinstance(self.policy, str):

@@ -10,9 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from colocate.checks import check_bool, check_int, check_name
+
 
 class ResourceError(RuntimeError):
     """A request that cannot be served: it does not fit, or it names an unknown group."""
+
+
+class ResourceValueError(ResourceError, ValueError):
+    """A request or an inventory with a field of the wrong type or out of range (named in
+    the message); a ValueError too, as a bad argument."""
 
 
 @dataclass(frozen=True)
@@ -25,13 +32,12 @@ class ResourceRequest:
     with_gpus: bool = True
 
     def __post_init__(self) -> None:
-        if not self.resource_group:
-            raise ValueError("ResourceRequest.resource_group must be a non-empty name")
-        if self.hosts < 1:
-            raise ValueError(f"ResourceRequest.hosts={self.hosts}: must be at least 1")
-        if self.procs_per_host < 1:
-            raise ValueError(
-                f"ResourceRequest.procs_per_host={self.procs_per_host}: must be at least 1")
+        for problem in (check_name("resource_group", self.resource_group),
+                        check_int("hosts", self.hosts, 1),
+                        check_int("procs_per_host", self.procs_per_host, 1),
+                        check_bool("with_gpus", self.with_gpus)):
+            if problem:
+                raise ResourceValueError(f"ResourceRequest.{problem}")
 
 
 @dataclass(frozen=True)
@@ -49,9 +55,10 @@ class Inventory:
     """Which GPU of which host belongs to which group."""
 
     def __init__(self, num_hosts: int, gpus_per_host: int) -> None:
-        if num_hosts < 1 or gpus_per_host < 0:
-            raise ValueError(f"an inventory needs hosts >= 1 and gpus_per_host >= 0, got "
-                             f"{num_hosts} x {gpus_per_host}")
+        for problem in (check_int("num_hosts", num_hosts, 1),
+                        check_int("gpus_per_host", gpus_per_host, 0)):
+            if problem:
+                raise ResourceValueError(f"Inventory: {problem}")
         self.num_hosts = num_hosts
         self.gpus_per_host = gpus_per_host
         self.owner: dict[tuple[int, int], str] = {}
