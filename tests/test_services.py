@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from colocate import phase
+from colocate.resources.groups import Allocation
 from colocate.resources.manager import Watcher
 from colocate.testing import MemoryTenant, start_runtime
 from services import (
@@ -18,7 +19,8 @@ from services import (
     ServiceConfigError,
     spawn_service,
 )
-from services.replica import Replica, ReplicaState
+from services.replica import Replica, ReplicaState, ReplicaStateError, tenant_name
+from services.waiting import Changes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -99,6 +101,43 @@ async def test_when_asleep_policies():
             with pytest.raises(ServiceAsleepError, match=r"no replica woke within 0.3 s.*"
                                r"async with phase\(service\)"):
                 await generator.work.route(3)
+
+
+async def test_a_waiting_call_is_woken_by_the_switch_not_by_polling():
+    async with start_runtime(gpus_per_host=2) as rm:
+        trainer, generator = await colocated(rm)
+        await rm.wake(trainer.tenant_names()[0])
+        looks = 0
+        routable = generator._routable
+
+        def counted(exclude: set[int]) -> list[Replica]:
+            nonlocal looks
+            looks += 1
+            return routable(exclude)
+
+        generator._routable = counted  # type: ignore[method-assign]
+        call = asyncio.ensure_future(generator.work.route(5))
+        await asyncio.sleep(0.5)
+        assert not call.done() and looks == 1  # asleep: one look, then no polling
+        async with phase(generator):
+            assert await asyncio.wait_for(call, 10) == 5
+        assert looks <= 4  # one more look per switch that ended
+
+
+def test_a_replica_moves_only_along_its_states():
+    changes = Changes()
+    replica = Replica("gen_g2", 0, Allocation("rl", "gen_g2", None, ((0, 0),), 1, 1), changes)
+    assert (replica.state, replica.tenant) == (ReplicaState.STARTING, "gen_g2_r0")
+    for state in (ReplicaState.HEALTHY, ReplicaState.FAILED, ReplicaState.RECOVERING):
+        replica.move(state, "proc died" if state is ReplicaState.FAILED else None)
+    assert replica.failure == "proc died" and changes.version == 3  # each move is told
+    replica.generation = 2
+    replica.move(ReplicaState.HEALTHY)
+    assert (replica.tenant, replica.respawned, replica.failure) == ("gen_g2_r0_g2", 2, None)
+    with pytest.raises(ReplicaStateError, match="replica 0 of service 'gen_g2' cannot go from "
+                       "healthy to recovering"):
+        replica.move(ReplicaState.RECOVERING)
+    assert tenant_name("a-b-c", 3, 1) == "a-b-c_r3_g1"
 
 
 async def test_sessions_stick_and_errors_reach_the_caller():
