@@ -55,7 +55,9 @@ class Faults:
     def forget(self, name: str) -> None:
         """Drop spawn `name` (its actors were stopped or undone): its name is free again and
         its mesh's later faults are ignored."""
-        self._meshes.pop(self._names.pop(name, None) or "", None)
+        mesh = self._names.pop(name, None)
+        if mesh is not None:
+            self._meshes.pop(mesh, None)
         self._failed.pop(name, None)
 
     def known(self, name: str) -> bool:
