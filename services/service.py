@@ -79,12 +79,12 @@ class Service:
         self._session_ids = itertools.count()
         self.closed = False
         self.waiting = 0  # calls waiting for a replica
-        self.changes = Changes()  # switches, finished calls, replica states, closing
+        self._changes = Changes()  # switches, finished calls, replica states, closing
         self.on_respawn: list[Callable[[Replica], Awaitable[None]]] = []
         self._tasks: set[asyncio.Task] = set()  # respawns under way
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()  # the client's Monarch context
-        self._watcher = Watcher(drain=self._drain, changed=self.changes.notify,
+        self._watcher = Watcher(drain=self._drain, changed=self._changes.notify,
                                 failed=self._on_failure)
         rm.watch(self._watcher)
 
@@ -125,7 +125,7 @@ class Service:
         deadline = loop.time() + self.config.wait_timeout_s
         woken = False
         while True:
-            since = self.changes.version  # before looking: a change after it ends the wait
+            since = self._changes.version  # before looking: a change after it ends the wait
             if self.closed:
                 raise ServiceClosedError(f"service {self.name!r} is shut down")
             candidates = self._routable(exclude)
@@ -159,7 +159,7 @@ class Service:
             left = deadline - loop.time()
             if left <= 0:
                 raise late
-            await self.changes.wait(since, left)
+            await self._changes.wait(since, left)
 
     def failures(self) -> str:
         """Each replica's state and, for a failed one, why; and what to do when a failed
@@ -286,7 +286,7 @@ class Service:
         """Allocate procs in the service's resource group and start one more replica (it
         counts as starting meanwhile; one that cannot start is stopped)."""
         allocation = await self.rm.allocate(self.request, owner=self.name)
-        replica = Replica(self.name, len(self.replicas), allocation, self.changes)
+        replica = Replica(self.name, len(self.replicas), allocation, self._changes)
         self.replicas.append(replica)
         try:
             replica.actors = await self._start(replica.tenant, allocation)
@@ -307,13 +307,15 @@ class Service:
 
     async def remove_replica(self, replica: Replica, grace_s: float | None = None) -> None:
         """Stop routing to a healthy replica, let its calls finish, then stop it and free
-        its procs; a failed one is stopped and freed at once."""
-        if replica.state not in (S.HEALTHY, S.FAILED):
+        its procs; a failed one is stopped and freed at once. A removal that was cancelled
+        while draining goes on from there."""
+        if replica.state not in (S.HEALTHY, S.DRAINING, S.FAILED):
             raise ReplicaStateError(
                 f"replica {replica.index} of service {self.name!r} is {replica.state.value}: "
-                "only a healthy or a failed replica can be removed")
+                "only a healthy, draining or failed replica can be removed")
         if replica.state is S.HEALTHY:
             replica.move(S.DRAINING)
+        if replica.state is S.DRAINING:
             await self._drain({replica.tenant}, grace_s)
         await self.rm.remove(replica.tenant, replica.actors)
         self.rm.free(replica.allocation)
@@ -325,7 +327,7 @@ class Service:
         """Wait until the replicas of `tenants` have no call in flight (the resource manager
         stopped routing to them before calling this), woken as calls finish."""
         timeout = timeout_s or self.config.wait_timeout_s
-        if not await self.changes.wait_for(
+        if not await self._changes.wait_for(
                 lambda: not any(r.in_flight for r in self.replicas if r.tenant in tenants),
                 timeout):
             logger.warning("service %r: calls still in flight after %s s; switching anyway",
@@ -335,7 +337,7 @@ class Service:
         """Take no new calls, let the ones in flight finish, then stop the replicas' actors
         and free their procs (the resource group keeps its procs for other services)."""
         self.closed = True
-        self.changes.notify()  # calls waiting for a replica end now
+        self._changes.notify()  # calls waiting for a replica end now
         if self.autoscaler is not None:
             await self.autoscaler.stop()
         await asyncio.gather(*self._tasks, return_exceptions=True)  # respawns end first
