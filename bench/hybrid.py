@@ -185,7 +185,7 @@ async def sync_part(parallel: str, args: argparse.Namespace) -> dict[str, Any]:
             directory, name="generator", engine="vllm", tensor_parallel_size=tp,
             data_parallel_size=slots // tp)
         source = trainer.replicas[0].tenant
-        probe = rm.groups["rl"].procs.spawn("bench_sync_probe", SyncProbe)
+        probe = rm.group("rl").procs.spawn("bench_sync_probe", SyncProbe)
         pids = [pid for _, pid in (await probe.instrument.call()).items()]
         await sync_weights(trainer, generator)  # warm-up: vLLM's first check of names
         await probe.taken.call()

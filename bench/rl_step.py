@@ -64,8 +64,9 @@ from tqdm import tqdm  # noqa: E402
 
 from bench.common import announce  # noqa: E402
 from colocate import memory, telemetry  # noqa: E402
-from colocate.resources.manager import init, select  # noqa: E402
+from colocate.resources.manager import init  # noqa: E402
 from colocate.resources.packing import ResourceRequest  # noqa: E402
+from colocate.resources.procs import select  # noqa: E402
 
 MAX_RATIO = 0.65
 MAX_SWITCH_SHARE = 0.10
@@ -185,7 +186,7 @@ async def run_mode(name: str, args: argparse.Namespace) -> dict[str, Any]:
         for index in range(args.warmup):
             await loop.step(index)
             bar.update()
-        probes = {group: loop.rm.groups[group].procs.spawn("bench_probe", Probe)
+        probes = {group: loop.rm.group(group).procs.spawn("bench_probe", Probe)
                   for group in groups}
         starts = {group: [v for _, v in (await probe.snapshot.call()).items()]
                   for group, probe in probes.items()}

@@ -52,8 +52,9 @@ from tqdm import tqdm  # noqa: E402
 
 from bench.common import announce  # noqa: E402
 from colocate import memory, telemetry  # noqa: E402
-from colocate.resources.manager import ResourceManager, select  # noqa: E402
+from colocate.resources.manager import ResourceManager  # noqa: E402
 from colocate.resources.packing import ResourceRequest  # noqa: E402
+from colocate.resources.procs import select  # noqa: E402
 from colocate.testing import MemoryTenant, start_runtime  # noqa: E402
 
 MAX_RATIO = 1.15

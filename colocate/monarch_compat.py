@@ -5,19 +5,23 @@ beyond that is here, so a Monarch upgrade is checked in one file:
 - `BootstrapCommand`: a proc's bootstrap program and environment, set before it starts
   (`spawn_procs(bootstrap_command=...)` takes a function returning one).
 - `EndpointProperty`: what `@endpoint` makes of a method; used to list a class's endpoints.
+- `mesh_name(actors)`: the full name Monarch gave a spawned actor mesh (`ActorMesh._name`),
+  the name its faults carry (`MeshFailure.mesh_name`).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import warnings
+from typing import Any
 
 from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
 from monarch._src.actor.endpoint import EndpointProperty
 
 MONARCH_VERSION = "0.7.0"
 
-__all__ = ["MONARCH_VERSION", "BootstrapCommand", "EndpointProperty", "endpoint_names"]
+__all__ = ["MONARCH_VERSION", "BootstrapCommand", "EndpointProperty", "endpoint_names",
+           "mesh_name"]
 
 _installed = importlib.metadata.version("torchmonarch")
 if _installed != MONARCH_VERSION:
@@ -29,3 +33,9 @@ if _installed != MONARCH_VERSION:
 def endpoint_names(cls: type) -> set[str]:
     """The names of `cls`'s `@endpoint` methods."""
     return {name for name in dir(cls) if isinstance(getattr(cls, name, None), EndpointProperty)}
+
+
+async def mesh_name(actors: Any) -> str:
+    """The full name of a spawned actor mesh (the spawn's name and an id Monarch adds), as
+    its faults carry it in `MeshFailure.mesh_name`. Waits until the mesh is created."""
+    return await actors._name

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from colocate.resources.packing import ResourceError
-from services.replica import Health, Replica
+from services.replica import Replica, ReplicaState
 
 if TYPE_CHECKING:
     from services.service import Service
@@ -40,7 +40,8 @@ class Autoscaler:
             await asyncio.gather(self.task, return_exceptions=True)
 
     def live(self) -> list[Replica]:
-        return [r for r in self.service.replicas if r.health is not Health.STOPPED]
+        """The replicas not stopped (starting, serving, failed or coming back)."""
+        return [r for r in self.service.replicas if r.state is not ReplicaState.STOPPED]
 
     async def _run(self) -> None:
         while not self.service.closed:
@@ -76,7 +77,8 @@ class Autoscaler:
         self._changed(why)
 
     async def _scale_down(self, why: str) -> None:
-        replica = min(self.live(), key=lambda r: (r.in_flight, -r.index))
+        healthy = [r for r in self.live() if r.state is ReplicaState.HEALTHY]
+        replica = min(healthy, key=lambda r: (r.in_flight, -r.index))
         await self.service.remove_replica(replica)
         self._changed(why)
 

@@ -47,7 +47,8 @@ from typing import Any
 
 from monarch.actor import Actor, endpoint
 
-from colocate.resources.manager import Allocation, select
+from colocate.resources.groups import Allocation
+from colocate.resources.procs import select
 
 _names = itertools.count()
 

@@ -1,5 +1,19 @@
-"""One replica of a service: its procs, its actors (a tenant of the arbiter), its health
-and its load."""
+"""One replica of a service: its procs, its actors (a tenant of the arbiter), its state
+and its load.
+
+A replica's state is one `ReplicaState`; `move` checks each transition:
+
+    STARTING -> HEALTHY | STOPPED           its actors started, or could not
+    HEALTHY -> DRAINING -> STOPPED          scaled down or shut down
+    HEALTHY | DRAINING -> FAILED            its proc died, or its actors failed
+    FAILED -> RECOVERING -> HEALTHY         respawned on new procs for the same slots
+    RECOVERING -> FAILED                    the respawn failed
+    FAILED -> STOPPED                       removed while failed
+
+Only a HEALTHY replica takes calls. Its tenant name (the arbiter's key, the mesh's name)
+is made from its fields, the service's name, its index and its generation (how many
+times it was respawned), and never read back.
+"""
 
 from __future__ import annotations
 
@@ -8,37 +22,80 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from colocate.resources.manager import Allocation
+from colocate.resources.groups import Allocation
+from services.waiting import Changes
 
 
-class Health(enum.Enum):
-    HEALTHY = "healthy"
-    FAILED = "failed"
-    STOPPED = "stopped"
+class ReplicaState(enum.Enum):
+    STARTING = "starting"  # its actors are being spawned
+    HEALTHY = "healthy"  # takes calls
+    DRAINING = "draining"  # leaving: takes no new calls, finishes those in flight
+    FAILED = "failed"  # its proc died or its actors failed; `failure` says how
+    RECOVERING = "recovering"  # failed, and being respawned on new procs
+    STOPPED = "stopped"  # removed, its procs given back
+
+
+S = ReplicaState
+MOVES: dict[ReplicaState, set[ReplicaState]] = {
+    S.STARTING: {S.HEALTHY, S.STOPPED},
+    S.HEALTHY: {S.DRAINING, S.FAILED},
+    S.DRAINING: {S.STOPPED, S.FAILED},
+    S.FAILED: {S.RECOVERING, S.STOPPED},
+    S.RECOVERING: {S.HEALTHY, S.FAILED},
+    S.STOPPED: set(),
+}
+
+
+def tenant_name(service: str, index: int, generation: int) -> str:
+    """The spawn name of replica `index` of `service` in its `generation` (0: first start)."""
+    name = f"{service}_r{index}"
+    return f"{name}_g{generation}" if generation else name
+
+
+class ReplicaStateError(RuntimeError):
+    """A replica was asked to move to a state it cannot reach from its own (a bug in the
+    caller: the message names both states and the replica)."""
 
 
 @dataclass
 class Replica:
+    service: str  # the service's name
     index: int
-    tenant: str  # the actor mesh's name, the key the arbiter knows it by
     allocation: Allocation
-    actors: Any  # Monarch ActorMesh over the replica's procs
-    health: Health = Health.HEALTHY
+    changes: Changes  # the service's: told of every state change and finished call
+    actors: Any = None  # Monarch ActorMesh over the replica's procs, once started
+    state: ReplicaState = ReplicaState.STARTING
     failure: str | None = None
+    generation: int = 0  # how many times it was respawned
     in_flight: int = 0
     served: int = 0
     busy_s: float = 0.0
-    respawned: int = 0
-    draining: bool = False  # scaling down: takes no new calls
     load: float = 0.0  # busy fraction over the autoscaler's last interval
     _since: float = field(default_factory=time.monotonic)
+
+    @property
+    def tenant(self) -> str:
+        """The name its actors are spawned under (the arbiter's key for them)."""
+        return tenant_name(self.service, self.index, self.generation)
+
+    @property
+    def respawned(self) -> int:
+        """How many times it came back on new procs (its generation)."""
+        return self.generation
 
     @property
     def procs(self) -> int:
         return len(self.allocation.slots)
 
-    def mark_failed(self, why: str) -> None:
-        self.health, self.failure = Health.FAILED, why
+    def move(self, state: ReplicaState, failure: str | None = None) -> None:
+        """Go to `state` (recording `failure` for FAILED), and tell the service."""
+        if state not in MOVES[self.state]:
+            raise ReplicaStateError(f"replica {self.index} of service {self.service!r} "
+                                    f"cannot go from {self.state.value} to {state.value}")
+        self.state = state
+        if failure is not None or state is ReplicaState.HEALTHY:
+            self.failure = failure
+        self.changes.notify()
 
     async def call(self, endpoint: str, args: tuple, kwargs: dict) -> Any:
         """Call `endpoint` on every proc of the replica; the result of its rank 0."""
@@ -54,6 +111,7 @@ class Replica:
             self.in_flight -= 1
             self.served += 1
             self.busy_s += time.monotonic() - start
+            self.changes.notify()
 
     def utilization(self) -> float:
         """Busy fraction since the last call of this method."""

@@ -16,6 +16,10 @@ A replica whose proc dies is marked failed and, with `config.respawn`, started a
 procs for the same slots; calls go to the other replicas meanwhile, or wait for it when it
 was the last. `svc.on_respawn` hooks run on the new replica before it takes a call (an RL
 loop syncs the trainer's weights into it there, so no call meets stale weights).
+
+Waits (for an awake replica, for calls in flight to finish before a switch) sleep on the
+service's `Changes` and wake when something they wait for may have changed: a switch ended
+(the resource manager tells its `Watcher`), a call finished, a replica changed state.
 """
 
 from __future__ import annotations
@@ -24,8 +28,7 @@ import asyncio
 import contextvars
 import itertools
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -33,17 +36,19 @@ from monarch.actor import ActorError
 
 from colocate.memory import TagPausedError
 from colocate.monarch_compat import endpoint_names
-from colocate.resources.manager import Allocation, ResourceManager
+from colocate.resources.groups import Allocation
+from colocate.resources.manager import ResourceManager, Watcher
 from colocate.resources.packing import ResourceRequest
 from services.autoscaler import Autoscaler
 from services.config import ServiceConfig
 from services.distributed import setup_distributed
 from services.errors import ServiceAsleepError, ServiceClosedError, ServiceUnavailableError
-from services.replica import Health, Replica
+from services.replica import Replica, ReplicaState, ReplicaStateError, tenant_name
 from services.router import make_router
+from services.waiting import Changes
 
 logger = logging.getLogger(__name__)
-POLL_S = 0.002
+S = ReplicaState
 
 
 class ServiceEndpoint:
@@ -74,12 +79,14 @@ class Service:
         self._session_ids = itertools.count()
         self.closed = False
         self.waiting = 0  # calls waiting for a replica
-        self.respawns: dict[int, asyncio.Task] = {}
+        self._changes = Changes()  # switches, finished calls, replica states, closing
         self.on_respawn: list[Callable[[Replica], Awaitable[None]]] = []
+        self._tasks: set[asyncio.Task] = set()  # respawns under way
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()  # the client's Monarch context
-        rm.drainers.append(self._drain)
-        rm.failure_listeners.append(self._on_failure)
+        self._watcher = Watcher(drain=self._drain, changed=self._changes.notify,
+                                failed=self._on_failure)
+        rm.watch(self._watcher)
 
     def __getattr__(self, name: str) -> ServiceEndpoint:
         if name.startswith("_") or name not in self.__dict__.get("endpoints", ()):
@@ -88,13 +95,13 @@ class Service:
 
     def tenant_names(self) -> list[str]:
         """The arbiter's names for the replicas: `phase(svc)` wakes them all."""
-        return [r.tenant for r in self.replicas if r.health is Health.HEALTHY]
+        return [r.tenant for r in self.replicas if r.state is S.HEALTHY]
 
     # -- routing -------------------------------------------------------------------------
 
     def _routable(self, exclude: set[int]) -> list[Replica]:
-        return [r for r in self.replicas if r.health is Health.HEALTHY and not r.draining
-                and r.index not in exclude and self.rm.routable(r.tenant)]
+        return [r for r in self.replicas if r.state is S.HEALTHY and r.index not in exclude
+                and self.rm.routable(r.tenant)]
 
     def _how_to_wake(self) -> str:
         return (f"Wake it for the calls: `async with phase(service):` around them (this "
@@ -102,8 +109,7 @@ class Service:
                 "with ServiceConfig(when_asleep='wake').")
 
     def _awake_elsewhere(self) -> str:
-        awake = sorted(n for n, up in self.rm.awake.items() if up)
-        return ", ".join(awake) or "nothing"
+        return ", ".join(self.rm.awake_tenants()) or "nothing"
 
     async def _pick(self, session: str | None, exclude: set[int]) -> Replica:
         self.waiting += 1
@@ -113,48 +119,54 @@ class Service:
             self.waiting -= 1
 
     async def _wait_for_replica(self, session: str | None, exclude: set[int]) -> Replica:
-        deadline = time.monotonic() + self.config.wait_timeout_s
+        """An awake, healthy replica not in `exclude`; waits for one (bounded) as the
+        replicas' states and the `when_asleep` policy say, woken by each change."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.wait_timeout_s
         woken = False
         while True:
+            since = self._changes.version  # before looking: a change after it ends the wait
             if self.closed:
                 raise ServiceClosedError(f"service {self.name!r} is shut down")
             candidates = self._routable(exclude)
             if candidates:
                 return self._choose(candidates, session)
             healthy = [r for r in self.replicas
-                       if r.health is Health.HEALTHY and r.index not in exclude]
-            if not healthy and self.respawns:  # the last ones are coming back: wait for them
-                if time.monotonic() > deadline:
-                    raise ServiceUnavailableError(
-                        f"service {self.name!r}: no replica came back within "
-                        f"{self.config.wait_timeout_s} s of a failure: " + self.failures())
-                exclude.difference_update(self.respawns)  # a respawned one is a new replica
-                await asyncio.sleep(POLL_S)
-                continue
-            if not healthy:
+                       if r.state is S.HEALTHY and r.index not in exclude]
+            coming = [r.index for r in self.replicas
+                      if r.state in (S.STARTING, S.RECOVERING)]
+            if not healthy and coming:  # the last ones are coming back: wait for them
+                exclude.difference_update(coming)  # a respawned one is a new replica
+                late = ServiceUnavailableError(
+                    f"service {self.name!r}: no replica came back within "
+                    f"{self.config.wait_timeout_s} s of a failure: " + self.failures())
+            elif not healthy:
                 raise ServiceUnavailableError(
                     f"service {self.name!r} has no healthy replica left: " + self.failures())
-            if self.config.when_asleep == "fail":
+            elif self.config.when_asleep == "fail":
                 raise ServiceAsleepError(f"service {self.name!r} has no awake replica; "
                                          f"awake now: {self._awake_elsewhere()}. "
                                          + self._how_to_wake())
-            if self.config.when_asleep == "wake" and not woken:
+            elif self.config.when_asleep == "wake" and not woken:
                 woken = True
                 await self.rm.wake(healthy[0].tenant)
                 continue
-            if time.monotonic() > deadline:
-                raise ServiceAsleepError(
+            else:
+                late = ServiceAsleepError(
                     f"service {self.name!r}: no replica woke within "
                     f"{self.config.wait_timeout_s} s; awake now: {self._awake_elsewhere()}. "
                     + self._how_to_wake())
-            await asyncio.sleep(POLL_S)
+            left = deadline - loop.time()
+            if left <= 0:
+                raise late
+            await self._changes.wait(since, left)
 
     def failures(self) -> str:
-        """Each replica's health and, for a failed one, why; and what to do when a failed
+        """Each replica's state and, for a failed one, why; and what to do when a failed
         one will not come back by itself."""
-        found = "; ".join(f"replica {r.index}: {r.health.value} ({r.failure})"
+        found = "; ".join(f"replica {r.index}: {r.state.value} ({r.failure})"
                           for r in self.replicas)
-        if not self.config.respawn and any(r.health is Health.FAILED for r in self.replicas):
+        if not self.config.respawn and any(r.state is S.FAILED for r in self.replicas):
             found += (f"; service {self.name!r} does not respawn replicas (respawn=False), "
                       "so a failed one stays failed: spawn the service again")
         return found
@@ -211,13 +223,22 @@ class Service:
         return True
 
     def _fail(self, replica: Replica, err: BaseException | str) -> None:
-        if replica.health is not Health.HEALTHY:
+        """Mark a healthy (or leaving) replica failed; respawn a healthy one when the
+        config says so."""
+        if replica.state not in (S.HEALTHY, S.DRAINING):
             return
         why = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
         logger.warning("service %r replica %d failed: %s", self.name, replica.index, why)
-        replica.mark_failed(why.splitlines()[0])
-        if self.config.respawn and not self.closed and replica.index not in self.respawns:
-            self.respawns[replica.index] = asyncio.ensure_future(self._respawn(replica))
+        leaving = replica.state is S.DRAINING
+        replica.move(S.FAILED, why.splitlines()[0] if why else repr(err))
+        if self.config.respawn and not self.closed and not leaving:
+            replica.move(S.RECOVERING)
+            self._in_background(self._respawn(replica))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _on_failure(self, tenant: str, why: str) -> None:
         """Monarch supervision saw `tenant` fail (called on Monarch's thread)."""
@@ -226,26 +247,29 @@ class Service:
                 self._loop.call_soon_threadsafe(self._fail, replica, why, context=self._context)
 
     async def _respawn(self, replica: Replica) -> None:
-        """Start the replica again on new procs for the same slots; until then, calls go
-        to the other replicas."""
+        """Start the (recovering) replica again on new procs for the same slots, as its
+        next generation; until then, calls go to the other replicas."""
         try:
             await self.rm.remove(replica.tenant, replica.actors)
             allocation = await self.rm.replace_procs(replica.allocation)
-            base, _, generation = replica.tenant.partition("_g")
-            tenant = f"{base}_g{int(generation or 0) + 1}"
-            actors = await self._start(tenant, allocation)
-            replica.tenant, replica.actors, replica.allocation = tenant, actors, allocation
+            generation = replica.generation + 1
+            actors = await self._start(tenant_name(self.name, replica.index, generation),
+                                       allocation)
+            replica.actors, replica.allocation, replica.generation = \
+                actors, allocation, generation
             for hook in self.on_respawn:
                 await hook(replica)
-            replica.health, replica.failure, replica.respawned = Health.HEALTHY, None, \
-                replica.respawned + 1
-            logger.info("service %r replica %d is back as %s", self.name, replica.index, tenant)
-        except Exception as err:
-            logger.exception("service %r: respawning replica %d failed", self.name,
-                             replica.index)
-            replica.failure = f"{replica.failure}; its respawn failed: {type(err).__name__}: {err}"
-        finally:
-            self.respawns.pop(replica.index, None)
+            replica.move(S.HEALTHY)
+            logger.info("service %r replica %d is back as %s", self.name, replica.index,
+                        replica.tenant)
+        except BaseException as err:
+            if isinstance(err, Exception):
+                logger.exception("service %r: respawning replica %d failed", self.name,
+                                 replica.index)
+            replica.move(S.FAILED, f"{replica.failure}; its respawn failed: "
+                                   f"{type(err).__name__}: {err}")
+            if not isinstance(err, Exception):
+                raise
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[str]:
@@ -259,17 +283,18 @@ class Service:
     # -- replicas ----------------------------------------------------------------------
 
     async def add_replica(self) -> Replica:
-        """Allocate procs in the service's resource group and start one more replica."""
-        index = len(self.replicas)
+        """Allocate procs in the service's resource group and start one more replica (it
+        counts as starting meanwhile; one that cannot start is stopped)."""
         allocation = await self.rm.allocate(self.request, owner=self.name)
-        tenant = f"{self.name}_r{index}"  # Monarch drops dots from mesh names
-        try:
-            actors = await self._start(tenant, allocation)
-        except BaseException:
-            self.rm.free(allocation)
-            raise
-        replica = Replica(index, tenant, allocation, actors)
+        replica = Replica(self.name, len(self.replicas), allocation, self._changes)
         self.replicas.append(replica)
+        try:
+            replica.actors = await self._start(replica.tenant, allocation)
+        except BaseException as err:
+            self.rm.free(allocation)
+            replica.move(S.STOPPED, f"could not start: {type(err).__name__}: {err}")
+            raise
+        replica.move(S.HEALTHY)
         return replica
 
     async def _start(self, tenant: str, allocation: Allocation) -> Any:
@@ -281,42 +306,46 @@ class Service:
                                    **self.kwargs)
 
     async def remove_replica(self, replica: Replica, grace_s: float | None = None) -> None:
-        """Stop routing to the replica, let its calls finish, then stop it and free its procs."""
-        replica.draining = True
-        await self._drain({replica.tenant}, grace_s)
+        """Stop routing to a healthy replica, let its calls finish, then stop it and free
+        its procs; a failed one is stopped and freed at once. A removal that was cancelled
+        while draining goes on from there."""
+        if replica.state not in (S.HEALTHY, S.DRAINING, S.FAILED):
+            raise ReplicaStateError(
+                f"replica {replica.index} of service {self.name!r} is {replica.state.value}: "
+                "only a healthy, draining or failed replica can be removed")
+        if replica.state is S.HEALTHY:
+            replica.move(S.DRAINING)
+        if replica.state is S.DRAINING:
+            await self._drain({replica.tenant}, grace_s)
         await self.rm.remove(replica.tenant, replica.actors)
         self.rm.free(replica.allocation)
-        replica.health = Health.STOPPED
+        replica.move(S.STOPPED)
 
     # -- switches and shutdown --------------------------------------------------------
 
     async def _drain(self, tenants: set[str], timeout_s: float | None = None) -> None:
         """Wait until the replicas of `tenants` have no call in flight (the resource manager
-        stopped routing to them before calling this)."""
-        deadline = time.monotonic() + (timeout_s or self.config.wait_timeout_s)
-        while any(r.in_flight for r in self.replicas if r.tenant in tenants):
-            if time.monotonic() > deadline:
-                logger.warning("service %r: calls still in flight after %s s; switching anyway",
-                               self.name, timeout_s or self.config.wait_timeout_s)
-                return
-            await asyncio.sleep(POLL_S)
+        stopped routing to them before calling this), woken as calls finish."""
+        timeout = timeout_s or self.config.wait_timeout_s
+        if not await self._changes.wait_for(
+                lambda: not any(r.in_flight for r in self.replicas if r.tenant in tenants),
+                timeout):
+            logger.warning("service %r: calls still in flight after %s s; switching anyway",
+                           self.name, timeout)
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Take no new calls, let the ones in flight finish, then stop the replicas' actors
         and free their procs (the resource group keeps its procs for other services)."""
         self.closed = True
+        self._changes.notify()  # calls waiting for a replica end now
         if self.autoscaler is not None:
             await self.autoscaler.stop()
-        for task in list(self.respawns.values()):
-            await task
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # respawns end first
         await self._drain({r.tenant for r in self.replicas}, grace_s)
         for replica in self.replicas:
-            if replica.health is not Health.STOPPED:
+            if replica.state is not S.STOPPED:
                 await self.remove_replica(replica, grace_s)
-        if self._drain in self.rm.drainers:
-            self.rm.drainers.remove(self._drain)
-        if self._on_failure in self.rm.failure_listeners:
-            self.rm.failure_listeners.remove(self._on_failure)
+        self.rm.unwatch(self._watcher)
 
 
 def _is_fault(err: ActorError) -> bool:

@@ -32,11 +32,11 @@ async def spawn_service(config: ServiceConfig, actor_class: type, *args: Any,
     """
     rm = rm or current()
     name = name or f"{actor_class.__name__.lower()}{next(_names)}"
-    config.check_fits(rm.inventory.num_hosts, rm.inventory.gpus_per_host)
+    config.check_fits(rm.num_hosts, rm.gpus_per_host)
     group = config.resource_group or name
     request = ResourceRequest(group, config.hosts_per_replica, config.procs, config.with_gpus)
-    if group not in rm.groups:  # room for max_replicas, so scaling up finds procs
-        await rm.reserve(_group_for(request, config.max, rm.inventory.gpus_per_host))
+    if not rm.has_group(group):  # room for max_replicas, so scaling up finds procs
+        await rm.reserve(_group_for(request, config.max, rm.gpus_per_host))
     service = Service(name, config, actor_class, rm, request, args, kwargs)
     for _ in range(config.num_replicas):
         await service.add_replica()

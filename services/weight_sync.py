@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from colocate.arbiter.actor import remote_errors
 from services.errors import ServiceUnavailableError
-from services.replica import Health, Replica
+from services.replica import Replica, ReplicaState
 from services.service import Service
 
 
@@ -42,7 +42,7 @@ class SyncReport:
 
 
 def _healthy(service: Service) -> list[Replica]:
-    replicas = [r for r in service.replicas if r.health is Health.HEALTHY]
+    replicas = [r for r in service.replicas if r.state is ReplicaState.HEALTHY]
     if not replicas:
         raise ServiceUnavailableError(f"service {service.name!r} has no healthy replica to "
                                       f"sync weights with: {service.failures()}")
@@ -66,7 +66,7 @@ async def sync_weights(trainer: Service, generator: Service,
     keeps every rank equal) into `replicas` of `generator` (default: every healthy one)."""
     rm = trainer.rm
     source = _healthy(trainer)[0]
-    source_slots = set(rm.tenants.get(source.tenant, source.allocation.slots))
+    source_slots = set(source.allocation.slots)
     source_host = source.allocation.slots[0][0]
     report = SyncReport()
     targets = _healthy(generator) if replicas is None else list(replicas)

@@ -19,7 +19,7 @@ from colocate.engines.sampling import SamplingParams  # noqa: E402
 from colocate.engines.tiny import write_tiny_model  # noqa: E402
 from services import ServiceConfig, spawn_service, sync_weights  # noqa: E402
 from services.errors import ServiceUnavailableError  # noqa: E402
-from services.replica import Health  # noqa: E402
+from services.replica import ReplicaState  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("procs_import_tests")]
 
@@ -99,7 +99,7 @@ async def test_a_killed_rank_fails_the_replica_with_a_clear_error_and_nothing_ha
         assert "vllm" in str(err)
     with pytest.raises(ServiceUnavailableError, match=r"(?s)vllm.*failed.*spawn the service"):
         await asyncio.wait_for(vllm_gen.generate.route(PROMPTS, GREEDY), 90)
-    assert vllm_gen.replicas[0].health is Health.FAILED
+    assert vllm_gen.replicas[0].state is ReplicaState.FAILED
 
 
 async def test_a_replica_that_lost_a_rank_is_respawned_whole_and_serves_again(
@@ -115,4 +115,4 @@ async def test_a_replica_that_lost_a_rank_is_respawned_whole_and_serves_again(
     after = await asyncio.wait_for(vllm_gen.generate.route(PROMPTS, GREEDY), 300)
     assert after == before
     replica = vllm_gen.replicas[0]
-    assert replica.respawned == 1 and replica.health is Health.HEALTHY
+    assert replica.respawned == 1 and replica.state is ReplicaState.HEALTHY

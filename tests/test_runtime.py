@@ -9,8 +9,9 @@ import pytest
 from monarch.actor import ActorError
 
 from colocate.arbiter import SwitchError
-from colocate.resources.manager import ProcProbe
+from colocate.resources.manager import Watcher
 from colocate.resources.packing import ResourceError, ResourceRequest
+from colocate.resources.procs import ProcProbe
 from colocate.testing import FailingSleepTenant, MemoryTenant, start_runtime
 
 MiB = 1 << 20
@@ -60,8 +61,8 @@ async def switch_and_check(rm, a, b, mib: int):
 async def test_wake_releases_the_other_and_restores_contents():
     async with start_runtime(gpus_per_host=2) as rm:
         a, b = await two_tenants(rm, mib=128)
-        group = rm.groups["rl"]
-        assert sorted(slot for _, slot in rm.tenants["a"]) == [0, 1]
+        group = rm.group("rl")
+        assert sorted(slot for _, slot in rm.slots_of("a")) == [0, 1]
         probes = values(await group.procs.spawn("check", ProcProbe).info.call())
         assert sorted(p["slot"] for p in probes) == ["0", "1"]
         assert sorted(p["pid"] for p in probes) == sorted(group.pids)
@@ -88,14 +89,14 @@ async def test_the_managers_view_follows_each_switch_and_skips_needless_ones():
         async def record(touched: set[str]) -> None:
             drained.append(set(touched))
 
-        rm.drainers.append(record)
+        rm.watch(Watcher(drain=record))
         for step, name in enumerate(["a", "b", "b", "a", "sleep a", "a", "a"]):
             if name == "sleep a":
                 await rm.sleep("a")
             else:
                 await rm.wake(name)
-            assert rm.host_status == await rm.status(), step  # the answers kept the view
-            assert rm.awake == {"a": name == "a", "b": name == "b"}, step
+            assert rm.switchboard.host_status == await rm.status(), step  # answers kept it
+            assert rm.awake_tenants() == [n for n in "ab" if n == name], step
         # a wake of an awake tenant makes no switch; a sleep of a touches a, a wake of a b
         assert drained == [{"a"}, {"b"}, {"a"}, {"b"}]
 
@@ -158,7 +159,7 @@ async def test_second_service_of_a_group_shares_its_procs_and_misfits_fail_early
 async def test_switches_across_two_hosts(scheduler):
     async with start_runtime(scheduler, hosts=2, gpus_per_host=2) as rm:
         a, b = await two_tenants(rm, hosts=2, procs=2, mib=32)
-        assert sorted(rm.tenants["b"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert sorted(rm.slots_of("b")) == [(0, 0), (0, 1), (1, 0), (1, 1)]
         await switch_and_check(rm, a, b, mib=32)
 
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 
 from colocate import phase
+from colocate.resources.groups import Allocation
+from colocate.resources.manager import Watcher
 from colocate.testing import MemoryTenant, start_runtime
 from services import (
     ServiceAsleepError,
@@ -15,6 +19,8 @@ from services import (
     ServiceConfigError,
     spawn_service,
 )
+from services.replica import Replica, ReplicaState, ReplicaStateError, tenant_name
+from services.waiting import Changes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -88,13 +94,50 @@ async def test_when_asleep_policies():
             await generator.work.route(1)
         generator.config = ServiceConfig(**{**generator.config.__dict__, "when_asleep": "wake"})
         assert await generator.work.route(2) == 2  # woke a replica on demand
-        assert rm.awake[generator.replicas[0].tenant] and not rm.awake["trainer_r0"]
+        assert rm.awake_tenants() == [generator.replicas[0].tenant]  # the trainer slept
         generator.config = ServiceConfig(**{**generator.config.__dict__, "when_asleep": "wait",
                                             "wait_timeout_s": 0.3})
         async with phase(trainer):
             with pytest.raises(ServiceAsleepError, match=r"no replica woke within 0.3 s.*"
                                r"async with phase\(service\)"):
                 await generator.work.route(3)
+
+
+async def test_a_waiting_call_is_woken_by_the_switch_not_by_polling():
+    async with start_runtime(gpus_per_host=2) as rm:
+        trainer, generator = await colocated(rm)
+        await rm.wake(trainer.tenant_names()[0])
+        looks = 0
+        routable = generator._routable
+
+        def counted(exclude: set[int]) -> list[Replica]:
+            nonlocal looks
+            looks += 1
+            return routable(exclude)
+
+        generator._routable = counted  # type: ignore[method-assign]
+        call = asyncio.ensure_future(generator.work.route(5))
+        await asyncio.sleep(0.5)
+        assert not call.done() and looks == 1  # asleep: one look, then no polling
+        async with phase(generator):
+            assert await asyncio.wait_for(call, 10) == 5
+        assert looks <= 4  # one more look per switch that ended
+
+
+def test_a_replica_moves_only_along_its_states():
+    changes = Changes()
+    replica = Replica("gen_g2", 0, Allocation("rl", "gen_g2", None, ((0, 0),), 1, 1), changes)
+    assert (replica.state, replica.tenant) == (ReplicaState.STARTING, "gen_g2_r0")
+    for state in (ReplicaState.HEALTHY, ReplicaState.FAILED, ReplicaState.RECOVERING):
+        replica.move(state, "proc died" if state is ReplicaState.FAILED else None)
+    assert replica.failure == "proc died" and changes.version == 3  # each move is told
+    replica.generation = 2
+    replica.move(ReplicaState.HEALTHY)
+    assert (replica.tenant, replica.respawned, replica.failure) == ("gen_g2_r0_g2", 2, None)
+    with pytest.raises(ReplicaStateError, match="replica 0 of service 'gen_g2' cannot go from "
+                       "healthy to recovering"):
+        replica.move(ReplicaState.RECOVERING)
+    assert tenant_name("a-b-c", 3, 1) == "a-b-c_r3_g1"
 
 
 async def test_sessions_stick_and_errors_reach_the_caller():
@@ -109,7 +152,7 @@ async def test_sessions_stick_and_errors_reach_the_caller():
             assert len({m["pid"] for m in everywhere}) == 2
             with pytest.raises(TypeError):
                 await generator.use_cache.route("not a number")
-            assert all(r.health.value == "healthy" for r in generator.replicas)
+            assert all(r.state is ReplicaState.HEALTHY for r in generator.replicas)
             await generator.shutdown()
             with pytest.raises(ServiceClosedError):
                 await generator.work.route(1)
@@ -118,10 +161,9 @@ async def test_sessions_stick_and_errors_reach_the_caller():
 
 
 async def test_a_killed_replica_loses_no_request_and_comes_back():
-    import os
-    import signal
-
     async with start_runtime(gpus_per_host=2) as rm:
+        supervised: list[str] = []
+        rm.watch(Watcher(failed=lambda name, why: supervised.append(name)))
         generator = await spawn_service(
             ServiceConfig(num_replicas=2, procs_per_host=1, resource_group="gen",
                           router="round_robin"), MemoryTenant, 8, 2, name="generator")
@@ -143,26 +185,36 @@ async def test_a_killed_replica_loses_no_request_and_comes_back():
             await asyncio.sleep(0.2)
             os.kill(pid, signal.SIGKILL)
             for _ in range(1000):
-                if victim.health.value == "failed":
+                if victim.state is not ReplicaState.HEALTHY:
                     break
                 await asyncio.sleep(0.01)
             assert await generator.work.route(5, session=session) == 5
             assert generator.sessions[session] == 1  # the session moved
             results = await asyncio.gather(*clients)
         assert results == [list(range(1000 * c, 1000 * c + 60)) for c in range(4)]
-        for _ in range(600):  # the replica comes back on a new proc for the same slot
-            if victim.health.value == "healthy" and victim.respawned:
-                break
-            await asyncio.sleep(0.1)
-        assert victim.respawned == 1 and victim.health.value == "healthy", victim.failure
+        await back(victim)
         assert victim.allocation.slots == ((0, 0),)
         new_pid = (await victim.actors.memory.call_one())["pid"]
         assert new_pid != pid
-        assert "generator_r0" in rm.failed  # seen by Monarch supervision, not only by a call
+        for _ in range(100):  # Monarch's supervision reports it too, not only the call
+            if "generator_r0" in supervised:
+                break
+            await asyncio.sleep(0.1)
+        assert supervised == ["generator_r0"]
         assert victim.tenant == "generator_r0_g1" and not rm.routable("generator_r0")
         answers = await asyncio.gather(*(generator.work.route(i) for i in range(10)))
         assert answers == list(range(10))
         assert (await victim.actors.counts.call_one())["awake"] > 0  # it serves again
+
+
+async def back(replica: Replica, generation: int = 1) -> None:
+    """Wait (at most 60 s) until `replica` is healthy again in its `generation`."""
+    for _ in range(600):  # the replica comes back on a new proc for the same slot
+        if replica.state is ReplicaState.HEALTHY and replica.generation == generation:
+            break
+        await asyncio.sleep(0.1)
+    assert replica.generation == generation, replica.failure
+    assert replica.state is ReplicaState.HEALTHY, replica.failure
 
 
 async def test_autoscaling_goes_up_under_load_and_down_when_idle():
@@ -190,3 +242,20 @@ async def test_autoscaling_goes_up_under_load_and_down_when_idle():
         assert all(1 <= count <= 3 for _, count, _ in scaler.history)
         assert await generator.work.route(7) == 7
         await generator.shutdown()
+
+
+async def test_names_like_generations_or_ids_respawn_as_themselves():
+    """A replica's identity is kept in fields, never read back from names: services named
+    with "_g<n>", "-" and "_<n>" are respawned after a kill, twice, each as itself."""
+    async with start_runtime(gpus_per_host=3) as rm:
+        names = ("gen_g2", "a-b-c", "trainer_1")
+        services = [await spawn_service(ServiceConfig(procs_per_host=1, resource_group=name),
+                                        MemoryTenant, 1, 2, name=name) for name in names]
+        for generation in (1, 2):
+            for svc in services:
+                os.kill((await svc.replicas[0].actors.memory.call_one())["pid"], signal.SIGKILL)
+            for svc in services:
+                assert await svc.work.route(generation) == generation  # retried once back
+                await back(svc.replicas[0], generation)
+                assert svc.replicas[0].tenant == f"{svc.name}_r0_g{generation}"
+        assert rm.awake_tenants() == sorted(f"{name}_r0_g2" for name in names)

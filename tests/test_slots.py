@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from colocate.resources.hosts import GPU_SLOT_ENV, Gpu, slot_gpu, visible_gpus
-from colocate.resources.manager import SLOT_ENV, _bootstrap, _slot_env
+from colocate.resources.procs import SLOT_ENV, _bootstrap, _slot_env
 
 H100 = [Gpu(f"GPU-{i}aaa-{i}", "NVIDIA H100 80GB HBM3") for i in range(8)]  # PCI order
 MIXED = [Gpu("GPU-0a", "NVIDIA A100"), Gpu("GPU-1b", "NVIDIA H100"), Gpu("GPU-2c", "NVIDIA A100")]

@@ -101,8 +101,8 @@ async def test_an_init_that_raises_fails_alone_and_leaves_no_trace():
         err = info.value
         assert (err.name, err.exception_type) == ("broken", "ValueError")
         assert isinstance(err.exception, ValueError) and not err.procs_lost
-        assert "broken" not in rm.spawned and "broken" not in rm.tenants
-        assert not rm.groups["rl"].used["broken"]  # the allocation was given back
+        assert not rm.faults.known("broken") and not rm.switchboard.is_tenant("broken")
+        assert not rm.group("rl").used["broken"]  # the allocation was given back
         await still_switches(rm, a)
         # the name is free again, on the same procs
         again = await rm.spawn("broken", MemoryTenant,
@@ -129,7 +129,7 @@ async def test_a_process_that_dies_in_init_loses_only_its_procs():
         with pytest.raises(SpawnError, match=r"'exiting'.*failed to start: .*exited with "
                            r"non-zero code 3.*rm.release\('doomed'\)") as info:
             await rm.spawn("exiting", ExitingTenant, alloc)
-        assert info.value.procs_lost and "exiting" not in rm.spawned
+        assert info.value.procs_lost and not rm.faults.known("exiting")
         await still_switches(rm, a, procs=1)
         await rm.release("doomed")  # as the error says: the slot is usable again
         c = await spawn_memory(rm, "c", group="doomed", procs=1)
@@ -185,7 +185,7 @@ async def test_procs_that_refuse_new_actors_say_so_and_how_to_get_them_back():
         with pytest.raises(SpawnError, match=r"cannot spawn 'next'.*take no new actor.*"
                            r"rm.release\('spoiled'\)") as info:
             await spawn_memory(rm, "next", group="spoiled", procs=1)
-        assert info.value.procs_lost and "next" not in rm.spawned
+        assert info.value.procs_lost and not rm.faults.known("next")
         await rm.release("spoiled")
         c = await spawn_memory(rm, "c", group="spoiled", procs=1)
         await rm.wake("c")

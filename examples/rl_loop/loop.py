@@ -31,7 +31,7 @@ from examples.rl_loop.grpo import group_advantages
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.rollouts import GRPOLoss, make_batch
 from services import Service, ServiceConfig, spawn_service, sync_weights
-from services.replica import Health, Replica
+from services.replica import Replica, ReplicaState
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,7 @@ async def resident(service: Service) -> int:
     since a sleeping replica takes no routed calls)."""
     total = 0
     for replica in service.replicas:
-        if replica.health is not Health.HEALTHY:
+        if replica.state is not ReplicaState.HEALTHY:
             continue  # died: what it held went with its procs
         infos = await replica.actors.describe.call()
         total += sum(info.resident_bytes for _, info in infos.items())

@@ -1,0 +1,127 @@
+"""Slot procs: start Monarch procs that each know their slot (and GPU) before they start,
+and stop them.
+
+One function starts procs for a resource group and for the replacement of dead ones
+(`spawn_slot_procs`): each proc gets `COLOCATE_SLOT` and, on a real GPU, the slot to
+resolve to a GPU UUID at bootstrap (`hosts.run_on_slot_gpu` sets CUDA_VISIBLE_DEVICES),
+plus torch_memory_saver's preload environment in preload mode. `stop_procs` stops a proc
+mesh within a grace period and then kills what is left by pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from monarch.actor import Actor, default_bootstrap_cmd, endpoint
+
+from colocate.monarch_compat import BootstrapCommand
+from colocate.resources.packing import ResourceError
+
+logger = logging.getLogger(__name__)
+
+SLOT_ENV = "COLOCATE_SLOT"
+
+
+def select(mesh: Any, **ranges: int | slice) -> Any:
+    """`mesh.slice(**ranges)`, skipping dims the mesh does not have (this_host() has no
+    "hosts" dim: its one host is always index 0)."""
+    present = {dim: r for dim, r in ranges.items() if dim in mesh.extent.labels}
+    return mesh.slice(**present) if present else mesh
+
+
+def _slot_env(slot: int, virtual: bool) -> dict[str, str]:
+    """A slot proc's environment: its slot, and on a real GPU the slot to resolve to a GPU
+    UUID when the proc starts (`hosts.run_on_slot_gpu`), plus torch_memory_saver's preload
+    environment when this process runs in preload mode (`COLOCATE_TMS_HOOK_MODE=preload`):
+    the hook must be in LD_PRELOAD before the proc starts. Its paths are this process's,
+    as the bootstrap's Python is (hosts run the same installation)."""
+    from colocate.memory.cuda import HOOK_MODE_ENV
+    from colocate.resources.hosts import GPU_SLOT_ENV
+
+    if virtual:
+        return {SLOT_ENV: str(slot)}
+    env = {SLOT_ENV: str(slot), GPU_SLOT_ENV: str(slot)}
+    if os.environ.get(HOOK_MODE_ENV) == "preload":
+        from colocate.memory import preload_env
+
+        preload = preload_env()
+        env.update({key: preload[key] for key in ("LD_PRELOAD", "LD_LIBRARY_PATH",
+                                                  HOOK_MODE_ENV) if key in preload})
+    return env
+
+
+def _bootstrap(env: Callable[[dict[str, int]], dict[str, str]]) -> Callable[[Any], Any]:
+    """A bootstrap command for each proc with `env(its coordinates)` added, set before the
+    proc starts. A GPU slot's proc (`GPU_SLOT_ENV` in its env) first runs
+    `hosts.run_on_slot_gpu`, which sets CUDA_VISIBLE_DEVICES to its GPU's UUID on the proc's
+    own host, then Monarch's bootstrap module, so CUDA sees only that GPU."""
+    from colocate.resources.hosts import GPU_SLOT_ENV
+
+    def command(point: Any) -> BootstrapCommand:
+        base = default_bootstrap_cmd()
+        extra = env(dict(point))
+        args = list(base.args)
+        if GPU_SLOT_ENV in extra:
+            if args[:1] != ["-m"] or len(args) < 2:
+                raise ResourceError(
+                    f"cannot give a GPU slot's proc its GPU: Monarch's bootstrap command is "
+                    f"{base.program} {args}, not `python -m <module>`")
+            args = ["-c", "from colocate.resources.hosts import run_on_slot_gpu; "
+                    f"run_on_slot_gpu({args[1]!r})", *args[2:]]
+        return BootstrapCommand(base.program, base.arg0, args, {**(base.env or {}), **extra})
+
+    return command
+
+
+class ProcProbe(Actor):
+    """Tells what a proc is: its pid and the slot environment it was started with."""
+
+    @endpoint
+    def info(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "slot": os.environ.get(SLOT_ENV),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+@dataclass(frozen=True)
+class SlotProcs:
+    """Procs started by `spawn_slot_procs`: the proc mesh (dims hosts, gpus) and the pids
+    of its processes, in mesh order."""
+
+    procs: Any
+    pids: tuple[int, ...]
+
+
+async def spawn_slot_procs(host_mesh: Any, first_host: int, hosts: int, per_host: int,
+                           slot_of: Callable[[int, int], int], virtual: bool) -> SlotProcs:
+    """Start `per_host` procs on each of `hosts` hosts from `first_host` of `host_mesh`;
+    the proc at (host h of these, proc p) gets slot `slot_of(h, p)`'s environment (a
+    virtual slot's without a GPU). Returns once every proc answered with its pid."""
+
+    def env(point: dict[str, int]) -> dict[str, str]:
+        return _slot_env(slot_of(point.get("hosts", 0), point["gpus"]), virtual)
+
+    procs = select(host_mesh, hosts=slice(first_host, first_host + hosts)).spawn_procs(
+        per_host={"gpus": per_host}, bootstrap_command=_bootstrap(env))
+    probe = procs.spawn("probe", ProcProbe)
+    info = await probe.info.call()
+    return SlotProcs(procs, tuple(value["pid"] for _, value in info.items()))
+
+
+async def stop_procs(procs: SlotProcs, grace_s: float) -> None:
+    """Stop a proc mesh within `grace_s`, then kill what is left of it on this machine."""
+    try:
+        await asyncio.wait_for(procs.procs.stop(), grace_s)
+    except Exception as err:  # a timeout, or procs that already died
+        logger.warning("procs did not stop within %s s (%s); killing %s", grace_s, err,
+                       list(procs.pids))
+    for pid in procs.pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,224 @@
+"""The switch protocol on the client side: the per-host arbiters, the tenants registered
+with them, and the cached view of who is awake.
+
+Every switch (wake, sleep, handoff) goes through `Switchboard`: it marks the tenants the
+switch may put to sleep as switching (so `awake_now` is False for them), lets its watchers
+(services) drain their calls in flight, asks each host's arbiter in parallel, and keeps the
+hosts' answers as its view. A tenant `awake_now` in that view needs no wake: the resource
+manager skips the call. Watchers hear of each change of the view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from colocate.arbiter.actor import Arbiter, HostStatus, remote_errors
+from colocate.arbiter.core import ArbiterConfig
+from colocate.arbiter.errors import ArbiterError
+from colocate.resources.groups import Allocation
+from colocate.resources.procs import SlotProcs, select, stop_procs
+
+
+class SwitchWatcher(Protocol):
+    """Told about switches: `drain(tenants)` before a switch that may put `tenants` to sleep
+    (routing to them has stopped; return when their calls in flight are done), `changed()`
+    after the view of who is awake changed or a switch ended."""
+
+    drain: Callable[[set[str]], Awaitable[None]]
+    changed: Callable[[], None]
+
+
+class Switchboard:
+    """The arbiters of a runtime's hosts, the tenants registered with them, and the view."""
+
+    def __init__(self, config: ArbiterConfig) -> None:
+        self.config = config
+        self.tenants: dict[str, list[tuple[int, int]]] = {}  # name -> (host, slot)
+        self.stages: dict[str, tuple[str, ...]] = {}  # name -> its stages
+        self.awake: dict[str, bool] = {}  # name -> fully awake on all its slots (last view)
+        self.host_status: dict[int, HostStatus] = {}  # the arbiters' answers, last view
+        self.watchers: list[SwitchWatcher] = []
+        self._switching: Counter[str] = Counter()
+        self._procs: SlotProcs | None = None
+        self._arbiters: Any = None
+
+    async def start(self, host_mesh: Any, slots_per_host: int) -> None:
+        """Start one `Arbiter` per host, on a proc of its own, for `slots_per_host` slots."""
+        procs = host_mesh.spawn_procs(per_host={"procs": 1})
+        self._procs = SlotProcs(procs, ())
+        self._arbiters = procs.spawn("arbiter", Arbiter, list(range(slots_per_host)),
+                                     self.config)
+        await self._arbiters.status.call()
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop the arbiters' procs."""
+        if self._procs is not None:
+            await stop_procs(self._procs, grace_s)
+            self._procs = None
+
+    def _arbiter(self, host: int) -> Any:
+        return select(self._arbiters, hosts=host)
+
+    # -- tenants ---------------------------------------------------------------------
+
+    async def register(self, name: str, actors: Any, allocation: Allocation) -> None:
+        """Register a started tenant with the arbiters of its slots (on all or on none)."""
+        self.tenants[name] = list(allocation.slots)
+        per_host = allocation.procs_per_host
+        try:
+            async with remote_errors():
+                infos = await asyncio.gather(*(
+                    self._arbiter(host).register.call_one(
+                        slot, name, select(actors, hosts=i // per_host, gpus=i % per_host))
+                    for i, (host, slot) in enumerate(allocation.slots)))
+        except BaseException:  # registered nowhere, or everywhere it was undone
+            await asyncio.gather(*(self._arbiter(host).unregister.call_one(name, [slot])
+                                   for host, slot in allocation.slots), return_exceptions=True)
+            self.forget(name)
+            raise
+        self.stages[name] = infos[0].stages
+        await self.refresh()
+
+    async def unregister(self, name: str) -> None:
+        """Take a tenant off its arbiters and forget it."""
+        if name not in self.tenants:
+            return
+        async with remote_errors():
+            await asyncio.gather(*(self._arbiter(h).unregister.call_one(name, slots)
+                                   for h, slots in self._by_host(name).items()))
+        self.forget(name)
+
+    def forget(self, name: str) -> None:
+        """Forget a tenant here only (its arbiters no longer know it, or its slots are gone)."""
+        for table in (self.tenants, self.stages, self.awake):
+            table.pop(name, None)
+
+    def forget_slots(self, slots: set[tuple[int, int]]) -> list[str]:
+        """Forget the tenants on any of `slots` (their procs were stopped); returns them."""
+        names = [n for n, own in self.tenants.items() if slots.intersection(own)]
+        for name in names:
+            self.forget(name)
+        return names
+
+    def is_tenant(self, name: str) -> bool:
+        return name in self.tenants
+
+    def slots_of(self, name: str) -> list[tuple[int, int]]:
+        """The (host, slot)s of tenant `name`."""
+        self._by_host(name)  # an unknown name fails here
+        return list(self.tenants[name])
+
+    def _by_host(self, name: str) -> dict[int, list[int]]:
+        if name not in self.tenants:
+            raise ArbiterError(f"unknown tenant {name!r}; tenants: {sorted(self.tenants)}")
+        by_host: dict[int, list[int]] = {}
+        for host, slot in self.tenants[name]:
+            by_host.setdefault(host, []).append(slot)
+        return by_host
+
+    # -- switches --------------------------------------------------------------------
+
+    async def wake(self, name: str, stages: list[str] | None = None) -> None:
+        """Make `name` awake on all its slots; its hosts switch in parallel. (The caller
+        skips a tenant that is `awake_now`.)"""
+        by_host = self._by_host(name)
+        await self._switch(self._neighbours(name), lambda: {
+            h: self._arbiter(h).wake.call_one(name, slots, stages)
+            for h, slots in by_host.items()})
+
+    async def sleep(self, name: str) -> None:
+        """Put `name` to sleep on all its slots, verified."""
+        by_host = self._by_host(name)
+        await self._switch({name}, lambda: {
+            h: self._arbiter(h).sleep.call_one(name, slots) for h, slots in by_host.items()})
+
+    async def handoff(self, source: str, target: str, keep: list[str] | None = None,
+                      first: list[str] | None = None) -> int:
+        """Pass `source`'s weights to `target` on every slot they share, staged (see
+        `SlotArbiter.handoff`); returns the bytes copied on all slots. Afterwards `target`
+        is awake and `source` asleep there."""
+        by_host = self._by_host(target)
+        self._by_host(source)  # an unknown source fails here
+        apart = set(self.tenants[target]) - set(self.tenants[source])
+        if apart:
+            raise ArbiterError(f"handoff {source} -> {target}: {source} is not on {target}'s "
+                               f"(host, slot)s {sorted(apart)}; colocate them in one resource "
+                               "group, or sync through shared memory (services.sync_weights)")
+        copied = 0
+
+        async def on(host: int, slots: list[int]) -> HostStatus:
+            nonlocal copied
+            moved, status = await self._arbiter(host).handoff.call_one(
+                source, target, slots, keep, first)
+            copied += moved
+            return status
+
+        await self._switch(self._neighbours(target) | {source},
+                           lambda: {h: on(h, slots) for h, slots in by_host.items()})
+        return copied
+
+    def _neighbours(self, name: str) -> set[str]:
+        """The tenants that share a slot with `name`: a wake of `name` may put them to sleep."""
+        mine = set(self.tenants[name])
+        return {other for other, slots in self.tenants.items()
+                if other != name and mine.intersection(slots)}
+
+    async def _switch(self, touched: set[str],
+                      calls: Callable[[], dict[int, Awaitable[HostStatus]]]) -> None:
+        """Make arbiter calls (host -> call) that may put `touched` to sleep: first mark
+        them switching and let the watchers drain their in-flight requests; after, update
+        the view from the hosts' answers (from every host's status, when a call failed and
+        left its host's state unknown).
+
+        `calls` makes the calls only when invoked: a Monarch call is sent when it is made,
+        not when it is awaited, so making them before the drain would race it."""
+        self._switching.update(touched)
+        try:
+            await asyncio.gather(*(watcher.drain(touched) for watcher in list(self.watchers)))
+            pending = calls()
+            try:
+                async with remote_errors():
+                    answers = await asyncio.gather(*pending.values())
+            except BaseException:
+                await self.refresh()  # before routing resumes: the old view is stale now
+                raise
+            self.host_status.update(zip(pending, answers, strict=True))
+            self._update_awake()
+        finally:
+            self._switching.subtract(touched)
+            self._changed()
+
+    def awake_now(self, name: str) -> bool:
+        """Fully awake on all its slots in the view, with no switch in flight that may put
+        it to sleep."""
+        return self.awake.get(name, False) and self._switching[name] <= 0
+
+    def awake_tenants(self) -> list[str]:
+        """The tenants fully awake in the view, by name."""
+        return sorted(name for name, up in self.awake.items() if up)
+
+    async def status(self) -> dict[int, HostStatus]:
+        """host -> slot -> tenant -> awake stages ([] asleep, None unknown)."""
+        found = await self._arbiters.status.call()
+        return {point["hosts"] if "hosts" in dict(point) else 0: value
+                for point, value in found.items()}
+
+    async def refresh(self) -> None:
+        """Ask every arbiter for its status and keep it as the view."""
+        self.host_status = await self.status()
+        self._update_awake()
+        self._changed()
+
+    def _update_awake(self) -> None:
+        status = self.host_status
+        self.awake = {
+            name: all(set(status[h][slot].get(name) or ()) >= set(self.stages.get(name, ()))
+                      and bool(status[h][slot].get(name)) for h, slot in slots)
+            for name, slots in self.tenants.items()}
+
+    def _changed(self) -> None:
+        for watcher in list(self.watchers):
+            watcher.changed()
