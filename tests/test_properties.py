@@ -44,7 +44,7 @@ from colocate.resources.packing import (
 from colocate.testing import MemoryTenant
 from services import ServiceConfig, ServiceConfigError, spawn_service
 from services.config import ROUTERS, WHEN_ASLEEP
-from services.replica import Health
+from services.replica import ReplicaState
 
 pytestmark = pytest.mark.timeout(900)  # (b): several examples, seconds of procs each
 
@@ -396,30 +396,31 @@ async def serve_switch_respawn(rm: Any, made: list[Any], name: str, other: str,
     made.append(b)
     async with phase(a):
         assert [await a.work.route(i) for i in range(3)] == [0, 1, 2]
-        assert all(rm.awake[t] for t in a.tenant_names()) and not rm.awake[b.tenant_names()[0]]
+        awake = rm.awake_tenants()
+        assert set(a.tenant_names()) <= set(awake) and b.tenant_names()[0] not in awake
         assert await a.work.fanout(5) == [5] * replicas
     async with phase(b):
         assert await b.work.route(7) == 7
         status = await rm.status()
         assert all(awake_on(status, host, slot) == b.tenant_names()
                    for host, slot in b.replicas[0].allocation.slots), status
-        assert not any(rm.awake[t] for t in a.tenant_names())
+        assert not set(a.tenant_names()) & set(rm.awake_tenants())
 
     victim, survivor = a.replicas[0], b.replicas[0]
     old_tenant, old_slots, other_tenant = victim.tenant, victim.allocation.slots, survivor.tenant
     old_pid = (await pids(victim.actors))[0]
     os.kill(old_pid, signal.SIGKILL)  # a proc of the group: both services lose a replica
-    await until(lambda: {old_tenant, other_tenant} <= rm.failed, FAULT_S,
+    await until(lambda: all(map(rm.faults.has_failed, (old_tenant, other_tenant))), FAULT_S,
                 f"supervision marks {old_tenant!r} and {other_tenant!r} failed, with no call "
-                f"made (failed: {sorted(rm.failed)})")
-    await until(lambda: victim.respawned == 1 and victim.health is Health.HEALTHY
-                and survivor.respawned == 1 and survivor.health is Health.HEALTHY,
+                f"made")
+    await until(lambda: victim.generation == 1 and victim.state is ReplicaState.HEALTHY
+                and survivor.generation == 1 and survivor.state is ReplicaState.HEALTHY,
                 RESPAWN_S, f"both replicas respawn: {a.failures()} | {b.failures()}")
     assert victim.allocation.slots == old_slots and victim.tenant != old_tenant
     assert old_pid not in await pids(victim.actors)
     async with phase(a):
         assert [await a.work.route(i) for i in range(4)] == [0, 1, 2, 3]
-        assert all(rm.awake[t] for t in a.tenant_names())
+        assert set(a.tenant_names()) <= set(rm.awake_tenants())
     async with phase(b):
         assert await b.work.route(8) == 8
     for svc in (a, b):
@@ -460,15 +461,15 @@ async def tenants_scenario(rm: Any, group: str, x: str, y: str, z: str) -> None:
             await rm.wake(name)
             status = await rm.status()
             assert awake_on(status, 0, 0) == [name], status
-            assert rm.awake[name] and not any(rm.awake[n] for n in tenants if n != name)
+            assert [n for n in tenants if n in rm.awake_tenants()] == [name]
             found = [s for _, s in (await tenants[name].checksum.call()).items()]
             assert sums.setdefault(name, found) == found  # the weights survived the sleeps
         doomed = await select(tenants[z], gpus=1).memory.call_one()
         os.kill(doomed["pid"], signal.SIGKILL)
-        await until(lambda: z in rm.failed, FAULT_S,
-                    f"supervision marks {z!r} failed (failed: {sorted(rm.failed)})")
+        await until(lambda: rm.faults.has_failed(z), FAULT_S,
+                    f"supervision marks {z!r} failed")
         await asyncio.sleep(1.0)  # the faults of every mesh on that proc have arrived
-        assert x not in rm.failed and y not in rm.failed, sorted(rm.failed)
+        assert not rm.faults.has_failed(x) and not rm.faults.has_failed(y)
         assert rm.routable(x) and not rm.routable(z)
         await rm.remove(z, tenants.pop(z))
         await rm.wake(y)
