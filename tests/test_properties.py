@@ -34,13 +34,14 @@ from hypothesis import strategies as st
 from colocate import phase
 from colocate.arbiter.core import ArbiterConfig, ArbiterConfigError
 from colocate.arbiter.policy import POLICIES
-from colocate.resources.manager import init, select
+from colocate.resources.manager import init
 from colocate.resources.packing import (
     Inventory,
     ResourceError,
     ResourceRequest,
     ResourceValueError,
 )
+from colocate.resources.procs import select
 from colocate.testing import MemoryTenant
 from services import ServiceConfig, ServiceConfigError, spawn_service
 from services.config import ROUTERS, WHEN_ASLEEP
