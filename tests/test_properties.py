@@ -366,7 +366,7 @@ async def tidy(rm: Any, made: list[Any], tenants: dict[str, Any], groups: list[s
             with contextlib.suppress(Exception):
                 await rm.remove(name, actors)
     for group in groups:
-        if group in rm.groups:
+        if rm.has_group(group):
             await rm.release(group)
 
 
