@@ -362,7 +362,7 @@ async def tidy(rm: Any, made: list[Any], tenants: dict[str, Any], groups: list[s
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(svc.shutdown(grace_s=5), 60)
     for name, actors in tenants.items():
-        if name in rm.spawned:
+        if rm.faults.known(name):
             with contextlib.suppress(Exception):
                 await rm.remove(name, actors)
     for group in groups:
