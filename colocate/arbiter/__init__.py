@@ -10,6 +10,7 @@ from colocate.arbiter.errors import (
     ArbiterTimeoutError,
     ReleaseNotVerifiedError,
     SwitchError,
+    TenantLostError,
 )
 from colocate.arbiter.policy import Budget, Exclusive
 from colocate.arbiter.tenant import TaggedTenant, TenantHandle, TenantInfo
@@ -17,5 +18,5 @@ from colocate.arbiter.tenant import TaggedTenant, TenantHandle, TenantInfo
 __all__ = [
     "ArbiterConfig", "ArbiterError", "ArbiterTimeoutError", "Budget", "Exclusive",
     "ReleaseNotVerifiedError", "SlotArbiter", "SwitchError", "TaggedTenant", "TenantHandle",
-    "TenantInfo",
+    "TenantInfo", "TenantLostError",
 ]

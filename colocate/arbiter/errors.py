@@ -13,6 +13,11 @@ class ReleaseNotVerifiedError(SwitchError):
     """A tenant was put to sleep but the measured memory did not come back in time."""
 
 
+class TenantLostError(SwitchError):
+    """A tenant's proc died: it and the other tenants of that proc on the slot hold nothing
+    and cannot be woken again (the message says which, when, and what to do)."""
+
+
 class ArbiterTimeoutError(ArbiterError):
     """A request waited longer than its timeout for a slot, or a tenant call did not answer."""
 

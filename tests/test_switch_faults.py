@@ -1,0 +1,314 @@
+"""A fault at every step of a switch, a handoff and a weight sync (its buckets): an
+exception in the tenant's endpoint, SIGKILL of its proc, a hang past the arbiter's timeout.
+
+Two tenants, "trainer" and "generator", span the 2 procs of one resource group (slots 0
+and 1); the fault hits slot 0 only (`tests/faulty.py`). After each fault the test measures
+that the arbiter's reported state is what the procs hold (each tenant's own account, and
+the proc's RSS), that no slot has two tenants awake, that the kept weights of every tenant
+that survived are bit-identical (a handoff's target: its old weights or the whole copy,
+never a mix unless the error says so), that the error names the tenant, the slot and the
+step, and that the next switch is served, or refused with the slot said lost and why. A
+killed proc's slot comes back after `rm.remove` + `rm.release` + a new spawn (timed).
+The table of steps x faults is printed (`pytest -s` shows it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import pytest
+from faulty import FaultyTenant
+
+from colocate.arbiter import ArbiterConfig, SwitchError, TenantLostError
+from colocate.resources.manager import ResourceManager, select
+from colocate.resources.packing import ResourceRequest
+from colocate.testing import start_runtime
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("procs_import_tests")]
+
+MiB = 1 << 20
+CONFIG = ArbiterConfig(call_timeout_s=3.0, release_timeout_s=1.0)
+HANG_S = 4.5  # past both timeouts, and under two call timeouts: the rollback's call gets in
+WEIGHTS_MIB, CACHE_MIB = 32, 32
+RSS_TOLERANCE = 12 * MiB  # a proc's RSS vs its tenants' resident bytes, from the row's start
+FAULT_SLOT, OTHER_SLOT = 0, 1
+GROUP = "rl"
+SOURCE, TARGET = "trainer", "generator"
+
+# (operation, tenant, step): every step where a tenant is called or measured, in order
+STEPS = [
+    ("switch", SOURCE, "sleep:cache"),
+    ("switch", SOURCE, "sleep:weights"),
+    ("switch", SOURCE, "release:weights"),
+    ("switch", TARGET, "wake:weights"),
+    ("switch", TARGET, "wake:cache"),
+    ("handoff", SOURCE, "sleep:cache"),
+    ("handoff", SOURCE, "release:cache"),
+    ("handoff", TARGET, "wake:weights"),
+    ("handoff", TARGET, "receive:0"),
+    ("handoff", TARGET, "receive:1"),
+    ("handoff", SOURCE, "sleep:weights"),
+    ("handoff", SOURCE, "release:weights"),
+    ("handoff", TARGET, "wake:cache"),
+]
+FAULTS = ["raise", "hang", "kill"]
+# how the arbiter's own words name each step (the injected exception's text is removed
+# before looking, so it cannot name the step for it)
+STEP_WORDS = {"sleep": ("failed to sleep", ".sleep"), "wake": ("failed to wake", ".wake("),
+              "release": ("came back", "release check"), "receive": (".receive(",)}
+INJECTED = re.compile(r"injected fault at \S+ in \S+ on slot \d+")
+
+
+@dataclass
+class Rig:
+    """The two tenants on their 2 procs, and each slot's pid."""
+
+    rm: ResourceManager
+    tenants: dict[str, Any]
+    pids: dict[int, int]
+
+
+@dataclass
+class Outcome:
+    op: str
+    step: str
+    fault: str
+    error: str = "-"
+    names: str = "-"
+    state: str = "-"
+    awake: str = "-"
+    rss: str = "-"
+    kept: str = "-"
+    next: str = "-"
+    seconds: float = 0.0
+    problems: list[str] | None = None
+
+
+async def new_rig(rm: ResourceManager) -> Rig:
+    request = ResourceRequest(GROUP, 1, 2)
+    tenants = {}
+    for seed, name in enumerate((SOURCE, TARGET), 1):
+        tenants[name] = await rm.spawn(name, FaultyTenant, await rm.allocate(request, name),
+                                       WEIGHTS_MIB, CACHE_MIB, seed)
+    held = await tenants[SOURCE].held.call()
+    return Rig(rm, tenants, {value["slot"]: value["pid"] for _, value in held.items()})
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def gone(pids: Iterable[int], within_s: float = 5.0) -> None:
+    """Wait until no process of `pids` runs (a SIGKILL lands a moment after it is sent)."""
+    deadline = time.monotonic() + within_s
+    while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not left, f"procs left behind: {left}"
+
+
+async def on_slot(rig: Rig, name: str, endpoint: str, slot: int, *args: Any) -> Any:
+    """One proc's answer (the tenant's actor on `slot`)."""
+    return await getattr(select(rig.tenants[name], gpus=slot), endpoint).call_one(*args)
+
+
+async def kept(rig: Rig, name: str) -> dict[int, str]:
+    """slot -> checksum of `name`'s weights, on the live procs (`name` must be awake)."""
+    return {slot: await on_slot(rig, name, "checksum", slot)
+            for slot, pid in rig.pids.items() if alive(pid)}
+
+
+async def apart(rig: Rig) -> dict[int, int]:
+    """slot -> the proc's RSS less what its tenants say they hold."""
+    out = {}
+    for slot, pid in rig.pids.items():
+        if alive(pid):
+            rss = (await on_slot(rig, SOURCE, "held", slot))["rss"]
+            infos = [await on_slot(rig, n, "describe", slot) for n in rig.tenants]
+            out[slot] = rss - sum(info.resident_bytes for info in infos)
+    return out
+
+
+async def measure(rig: Rig, baseline: dict[int, int], outcome: Outcome) -> None:
+    """The arbiter's reported state vs what each proc holds; awake tenants per slot."""
+    status = (await rig.rm.status())[0]
+    mismatches, awake, deviations = [], [], []
+    for slot, pid in rig.pids.items():
+        reported = {n: status[slot].get(n) for n in rig.tenants}
+        if not alive(pid):  # a dead proc holds nothing: the arbiter must not count on it
+            if any(stages is not None for stages in reported.values()):
+                mismatches.append(f"slot {slot}: proc dead, arbiter {reported}")
+            awake.append(0)
+            continue
+        infos = {n: await on_slot(rig, n, "describe", slot) for n in rig.tenants}
+        truth = {n: list(info.awake_stages) for n, info in infos.items()}
+        if truth != reported:
+            mismatches.append(f"slot {slot}: arbiter {reported}, procs {truth}")
+        awake.append(max(sum(bool(s) for s in truth.values()),
+                         sum(bool(s) for s in reported.values())))
+        rss = (await on_slot(rig, SOURCE, "held", slot))["rss"]
+        held = sum(info.resident_bytes for info in infos.values())
+        deviation = rss - held - baseline[slot]
+        deviations.append(deviation)
+        if abs(deviation) > RSS_TOLERANCE:
+            mismatches.append(f"slot {slot}: RSS {rss / MiB:.0f} MiB, tenants hold "
+                              f"{held / MiB:.0f} MiB (+{baseline[slot] / MiB:.0f} MiB base)")
+    outcome.state = "match" if not mismatches else "MISMATCH"
+    outcome.awake = "/".join(map(str, awake))
+    outcome.rss = "/".join(f"{d / MiB:+.0f}" for d in deviations) or "-"
+    outcome.problems += mismatches
+    if max(awake) > 1:
+        outcome.problems.append(f"two tenants awake: {status}")
+
+
+def check_error(err: BaseException | None, tenant: str, step: str, fault: str,
+                outcome: Outcome) -> None:
+    if err is None:
+        outcome.error = "NONE"
+        outcome.problems.append("the switch did not fail")
+        return
+    outcome.error = type(err).__name__
+    text = INJECTED.sub("<injected>", str(err))
+    kind = step.split(":")[0]
+    named = {"tenant": tenant in text, "slot": f"slot {FAULT_SLOT}" in text,
+             "step": any(word in text for word in STEP_WORDS[kind])}
+    if fault == "kill":
+        named["lost"] = isinstance(err, TenantLostError) and "died" in text
+    outcome.names = "yes" if all(named.values()) else \
+        "NO " + ",".join(k for k, ok in named.items() if not ok)
+    if not isinstance(err, SwitchError) or not all(named.values()):
+        outcome.problems.append(f"error does not name {named}: {type(err).__name__}: {err}")
+
+
+def classify(now: str, old: str, new: str) -> str:
+    return "old" if now == old else "new" if now == new else "torn"
+
+
+async def run_row(rig: Rig, op: str, tenant: str, step: str, fault: str,
+                  seed: int) -> Outcome:
+    rm = rig.rm
+    outcome = Outcome(op, f"{tenant}.{step}", fault, problems=[])
+    # distinct weights, read while awake; then the source awake, as before a switch
+    await rm.wake(TARGET)
+    await rig.tenants[TARGET].scramble.call(seed)
+    target_before = await kept(rig, TARGET)
+    await rm.wake(SOURCE)
+    source_before = await kept(rig, SOURCE)
+    baseline = await apart(rig)
+
+    await rig.tenants[tenant].arm.call(step, fault, FAULT_SLOT, HANG_S)
+    start = time.monotonic()
+    err: BaseException | None = None
+    try:
+        if op == "switch":
+            await rm.wake(TARGET)
+        else:
+            await rm.handoff(SOURCE, TARGET)
+    except Exception as caught:
+        err = caught
+    outcome.seconds = time.monotonic() - start
+    check_error(err, tenant, step, fault, outcome)
+    await measure(rig, baseline, outcome)
+
+    # the next switches: served, or refused with the slot said lost
+    survivors: dict[str, dict[int, str]] = {}
+    refusals = []
+    for name in (SOURCE, TARGET):
+        try:
+            await rm.wake(name)
+        except TenantLostError as lost:
+            refusals.append(lost)
+        except Exception as other:
+            outcome.problems.append(f"the next wake of {name} failed: {other}")
+        survivors[name] = {slot: await on_slot(rig, name, "checksum", slot)
+                           for slot, pid in rig.pids.items() if alive(pid)}
+    if fault == "kill":
+        said = all(f"slot {FAULT_SLOT}" in str(r) and "lost" in str(r) for r in refusals)
+        outcome.next = "lost, said" if len(refusals) == 2 and said else "NOT SAID"
+        if outcome.next != "lost, said":
+            outcome.problems.append(f"after the kill, wakes answered {refusals}")
+    else:
+        outcome.next = "ok" if not refusals else "REFUSED"
+        outcome.problems += [f"refused: {r}" for r in refusals]
+
+    # kept contents: the source's never change; the target's are old or the whole copy
+    marks = []
+    for slot, now in survivors[SOURCE].items():
+        if now != source_before[slot]:
+            outcome.problems.append(f"{SOURCE}'s weights changed on slot {slot}")
+            marks.append(f"{SOURCE}[{slot}] CHANGED")
+    for slot, now in survivors[TARGET].items():
+        got = classify(now, target_before[slot], source_before[slot])
+        marks.append(f"{slot}:{got}")
+        expected = {"old"} if op == "switch" else {"old", "new"}
+        if op == "handoff" and slot == OTHER_SLOT:
+            expected = {"new"}  # no fault there: the handoff went through
+        if got == "torn" and err is not None and "may hold part of" in str(err):
+            expected.add("torn")  # the error said so
+        if got not in expected:
+            outcome.problems.append(f"{TARGET}'s weights on slot {slot} are {got}, "
+                                    f"expected {sorted(expected)}")
+    outcome.kept = f"{SOURCE} same; {TARGET} " + " ".join(marks) \
+        if not any("CHANGED" in m for m in marks) else " ".join(marks)
+    return outcome
+
+
+async def renew(rig: Rig) -> tuple[Rig, float]:
+    """After a kill: forget the tenants, new procs for the group, the tenants again."""
+    start = time.monotonic()
+    for name, actors in rig.tenants.items():
+        await rig.rm.remove(name, actors, grace_s=1.0)
+    await rig.rm.release(GROUP, grace_s=1.0)
+    await gone(rig.pids.values())
+    fresh = await new_rig(rig.rm)
+    await fresh.rm.wake(TARGET)
+    await fresh.rm.wake(SOURCE)
+    return fresh, time.monotonic() - start
+
+
+def table(outcomes: list[Outcome]) -> str:
+    columns = ["op", "step", "fault", "error", "names", "state", "awake", "rss", "kept",
+               "next", "seconds"]
+    rows = [[o.op, o.step, o.fault, o.error, o.names, o.state, o.awake, o.rss, o.kept,
+             o.next, f"{o.seconds:.2f}"] for o in outcomes]
+    widths = [max(len(str(r[i])) for r in [columns, *rows]) for i in range(len(columns))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
+             for r in [columns, *rows]]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+async def test_a_fault_at_every_step_leaves_a_consistent_slot_and_a_clear_error():
+    seeds = itertools.count(100)
+    outcomes: list[Outcome] = []
+    respawns: list[float] = []
+    try:
+        async with start_runtime(gpus_per_host=2, arbiter=CONFIG) as rm:
+            rig = await new_rig(rm)
+            for fault in FAULTS:
+                for op, tenant, step in STEPS:
+                    outcome = await run_row(rig, op, tenant, step, fault, next(seeds))
+                    outcomes.append(outcome)
+                    if fault == "kill":
+                        rig, seconds = await renew(rig)
+                        respawns.append(seconds)
+                        outcome.next += f", back in {seconds:.1f} s"
+    finally:  # the table so far, also when a row broke the test
+        order = {(op, f"{t}.{s}"): i for i, (op, t, s) in enumerate(STEPS)}
+        outcomes.sort(key=lambda o: (order[o.op, o.step], FAULTS.index(o.fault)))
+        print(f"\n{table(outcomes)}\n(state: arbiter vs procs; awake: awake tenants on slot "
+              "0/1; rss: MiB a proc holds beyond its tenants' account, vs the row's start; "
+              f"kept: {TARGET}'s weights per slot: old, new = {SOURCE}'s whole copy, torn)")
+        if respawns:
+            print(f"a killed slot back (remove, release, spawn both, first switches): "
+                  f"{min(respawns):.1f}-{max(respawns):.1f} s")
+    problems = [f"{o.op} {o.step} {o.fault}: {p}" for o in outcomes for p in o.problems or ()]
+    assert not problems, "\n".join(problems)
