@@ -54,16 +54,16 @@ class FaultyTenant(TenantActor):
 
     def __init__(self, weights_mib: int, cache_mib: int, seed: int, buckets: int = 2) -> None:
         self.slot = int(os.environ[SLOT_ENV])
-        generator = torch.Generator().manual_seed(seed * 1000 + self.slot)
         with self.tenancy.region("weights", device="cpu"):
-            self.weights = torch.randint(0, 2**31, (weights_mib << 18,), dtype=torch.int32,
-                                         generator=generator)
+            self.weights = torch.empty(weights_mib << 18, dtype=torch.int32)
+        self._fill(seed)
         with self.tenancy.region("cache", device="cpu"):
             self.cache = torch.ones(cache_mib << 18)
         self.buckets = buckets
         self.plan: tuple[str, str, float] | None = None  # (step, fault, hang_s)
         self.ballast: torch.Tensor | None = None
         self.lock = threading.Lock()
+        self.served = {"awake": 0, "asleep": 0}
         _LIVE[self.tenant_name] = self
 
     # -- the plan --------------------------------------------------------------------
@@ -155,9 +155,13 @@ class FaultyTenant(TenantActor):
     def scramble(self, seed: int) -> None:
         """New seeded weights, so that a copy into them shows (they must be awake)."""
         self.tenancy.ensure_stage("weights")
+        self._fill(seed)
+
+    def _fill(self, seed: int) -> None:
+        """Seeded weights, per slot, written in place (no temporary copy, so the proc's
+        RSS stays what its tags hold)."""
         generator = torch.Generator().manual_seed(seed * 1000 + self.slot)
-        self.weights.copy_(torch.randint(0, 2**31, self.weights.shape, dtype=torch.int32,
-                                         generator=generator))
+        self.weights.random_(0, 2**31, generator=generator)
 
     # -- what a test reads ------------------------------------------------------------
 
@@ -165,7 +169,7 @@ class FaultyTenant(TenantActor):
     def checksum(self) -> str:
         """SHA-256 of the weights (kept across sleeps); raises TagPausedError asleep."""
         self.tenancy.ensure_stage("weights")
-        return hashlib.sha256(self.weights.view(torch.uint8).numpy().tobytes()).hexdigest()
+        return hashlib.sha256(self.weights.numpy()).hexdigest()  # no copy
 
     @endpoint
     def held(self) -> dict[str, Any]:
@@ -173,10 +177,18 @@ class FaultyTenant(TenantActor):
         return {"pid": os.getpid(), "slot": self.slot, "rss": process_rss()}
 
     @endpoint
-    def work(self, x: int, seconds: float = 0.0) -> int:
-        """Serve a request; raises TagPausedError asleep, InjectedFault for x < 0."""
-        self.tenancy.ensure_awake()
+    def work(self, x: int, seconds: float = 0.0) -> dict[str, Any]:
+        """Serve request `x` (taking `seconds`) and say whether it reached this tenant
+        asleep, which a router that follows the arbiter never lets happen (counted here
+        too); request x < 0 raises InjectedFault, an endpoint error for its caller."""
+        asleep = self.tenancy.awake_stages() != tuple(self.stages)
+        self.served["asleep" if asleep else "awake"] += 1
         if x < 0:
             raise InjectedFault(f"request {x} refused by {self.tenant_name}")
         time.sleep(seconds)
-        return x
+        return {"x": x, "asleep": asleep, "tenant": self.tenant_name}
+
+    @endpoint
+    def counts(self) -> dict[str, int]:
+        """Requests served awake and asleep by this tenant on this proc."""
+        return dict(self.served)

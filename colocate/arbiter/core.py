@@ -130,12 +130,16 @@ class SlotArbiter:
         info = slot.infos[name]
         try:
             if info.device == "cpu":
-                return telemetry.read_pid(info.pid)
-            return telemetry.read_gpu_uuid_process(info.device, info.pid)
+                reading = telemetry.read_pid(info.pid)
+            else:
+                reading = telemetry.read_gpu_uuid_process(info.device, info.pid)
         except telemetry.TelemetryError:
             if not _proc_alive(info.pid):
                 raise self._lose(slot, info.pid, during) from None
             raise
+        if not _proc_alive(info.pid):  # a dying process reads as released: it is lost
+            raise self._lose(slot, info.pid, during)
+        return reading
 
     def _free_bytes(self, slot: Slot) -> int:
         info = next(iter(slot.infos.values()))  # colocated tenants share the process
@@ -459,18 +463,18 @@ class SlotArbiter:
         await self._sleep_verified(slot, source, waking=target,
                                    stages=[s for s in source_stages if s not in keep])
         handle = slot.tenants[target]
-        step = f"{target}.wake({list(first)})"
+        step, copying = f"{target}.wake({list(first)})", False
         try:
             await self._call(step, handle.wake(first), slot, target)
             slot.mark(target, first)
-            step = f"{target}.receive({source})"
+            step, copying = f"{target}.receive({source})", True
             copied = await self._call(step, handle.receive(source), slot, target)
-            step = f"{source}.sleep"
+            step, copying = f"{source}.sleep", False
             await self._sleep_verified(slot, source, waking=target)
         except BaseException as err:
             await self._undo_handoff(slot, source, target, source_stages)
             torn = (f"; {target}'s {list(first)} may hold part of {source}'s now: hand off "
-                    f"again before {target} serves") if ".receive(" in step else ""
+                    f"again before {target} serves") if copying else ""
             raise self._failed(slot, [source, target], f"handoff {source} -> {target} failed "
                                f"on slot {slot.index} at {step}: {err}; rolled back: "
                                f"{slot.who()}{torn}") from err
