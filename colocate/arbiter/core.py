@@ -38,14 +38,25 @@ _AFTER_LOSS = ("To use slot {slot} again, remove its lost tenants (rm.remove) an
                "procs (rm.release(group), then allocate again)")
 
 
+_PF_EXITING = 0x4  # Linux task flag: the process has begun to exit (its memory is going)
+
+
 def _proc_alive(pid: int) -> bool:
-    """Whether process `pid` of this host still runs (a zombie does not)."""
+    """Whether process `pid` of this host still runs: not gone, not a zombie, and (where
+    /proc tells) not in its exit, when its memory already reads as released."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        if psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return False
     except psutil.NoSuchProcess:
         return False
     except psutil.Error:  # it exists, but we may not look at it
         return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            flags = int(stat.read().rsplit(b")", 1)[1].split()[6])  # field 9, after comm
+    except (OSError, ValueError, IndexError):  # no /proc here, or the process just went
+        return psutil.pid_exists(pid)
+    return not flags & _PF_EXITING
 
 
 @dataclass(frozen=True)
