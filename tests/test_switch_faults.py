@@ -1,15 +1,17 @@
 """A fault at every step of a switch, a handoff and a weight sync (its buckets): an
 exception in the tenant's endpoint, SIGKILL of its proc, a hang past the arbiter's timeout.
 
-Two tenants, "trainer" and "generator", span the 2 procs of one resource group (slots 0
-and 1); the fault hits slot 0 only (`tests/faulty.py`). After each fault the test measures
-that the arbiter's reported state is what the procs hold (each tenant's own account, and
-the proc's RSS), that no slot has two tenants awake, that the kept weights of every tenant
-that survived are bit-identical (a handoff's target: its old weights or the whole copy,
-never a mix unless the error says so), that the error names the tenant, the slot and the
-step, and that the next switch is served, or refused with the slot said lost and why. A
-killed proc's slot comes back after `rm.remove` + `rm.release` + a new spawn (timed).
-The table of steps x faults is printed (`pytest -s` shows it).
+A rig is two tenants, a trainer and a generator, on the 2 procs of their own resource
+group; the fault hits the rig's first slot only (`tests/faulty.py`), the second goes
+through the same switch. After each fault the test measures that the arbiter's reported
+state is what the procs hold (each tenant's own account, and the proc's RSS), that no slot
+has two tenants awake, that the kept weights of every tenant that survived are
+bit-identical (a handoff's target: its old weights or the whole copy, never a mix unless
+the error says so), that the error names the tenant, the slot and the step, and that the
+next switch is served, or refused with the slot said lost and why. Rows that leave the
+rig usable share one rig; a killed proc's rig is removed and its group released (no proc
+left, checked by pid), and new rigs are spawned 4 at a time. The table of steps x faults
+is printed (`pytest -s` shows it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import itertools
 import re
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -38,11 +40,10 @@ CONFIG = ArbiterConfig(call_timeout_s=4.0, release_timeout_s=1.0)
 HANG_S = 5.0  # past both timeouts; the rollback's call, queued behind it, has 3 s left
 WEIGHTS_MIB, CACHE_MIB = 32, 32
 RSS_TOLERANCE = 12 * MiB  # a proc's RSS vs its tenants' resident bytes, from the row's start
-FAULT_SLOT, OTHER_SLOT = 0, 1
-GROUP = "rl"
-SOURCE, TARGET = "trainer", "generator"
+RIGS_AT_ONCE = 4  # on 8 virtual slots
+SOURCE, TARGET = "trainer", "generator"  # the roles; a rig's tenants are named after them
 
-# (operation, tenant, step): every step where a tenant is called or measured, in order
+# (operation, role, step): every step where a tenant is called or measured, in order
 STEPS = [
     ("switch", SOURCE, "sleep:cache"),
     ("switch", SOURCE, "sleep:weights"),
@@ -68,11 +69,14 @@ INJECTED = re.compile(r"injected fault at \S+ in \S+ on slot \d+")
 
 @dataclass
 class Rig:
-    """The two tenants on their 2 procs, and each slot's pid."""
+    """Two tenants on the 2 procs of their own resource group."""
 
     rm: ResourceManager
-    tenants: dict[str, Any]
-    pids: dict[int, int]
+    group: str
+    names: dict[str, str]  # role -> tenant name
+    tenants: dict[str, Any]  # role -> actor mesh
+    slots: tuple[int, ...]  # in mesh order: the fault's slot, then the other
+    pids: dict[int, int]  # slot -> pid
 
 
 @dataclass
@@ -88,17 +92,34 @@ class Outcome:
     kept: str = "-"
     next: str = "-"
     seconds: float = 0.0
-    problems: list[str] | None = None
+    problems: list[str] = field(default_factory=list)
 
 
-async def new_rig(rm: ResourceManager) -> Rig:
-    request = ResourceRequest(GROUP, 1, 2)
+async def new_rig(rm: ResourceManager, index: int) -> Rig:
+    group = f"rig{index}"
+    request = ResourceRequest(group, 1, 2)
+    names = {role: f"{role}{index}" for role in (SOURCE, TARGET)}
     tenants = {}
-    for seed, name in enumerate((SOURCE, TARGET), 1):
-        tenants[name] = await rm.spawn(name, FaultyTenant, await rm.allocate(request, name),
-                                       WEIGHTS_MIB, CACHE_MIB, seed)
-    held = await tenants[SOURCE].held.call()
-    return Rig(rm, tenants, {value["slot"]: value["pid"] for _, value in held.items()})
+    for seed, (role, name) in enumerate(names.items(), 1):
+        allocation = await rm.allocate(request, name)
+        tenants[role] = await rm.spawn(name, FaultyTenant, allocation, WEIGHTS_MIB,
+                                       CACHE_MIB, seed)
+    slots = tuple(slot for _, slot in allocation.slots)
+    rig = Rig(rm, group, names, tenants, slots, {})
+    rig.pids = {slot: (await on_slot(rig, SOURCE, "held", slot))["pid"] for slot in slots}
+    return rig
+
+
+async def new_rigs(rm: ResourceManager, indices: Iterable[int]) -> list[Rig]:
+    return list(await asyncio.gather(*(new_rig(rm, i) for i in indices)))
+
+
+async def drop_rig(rig: Rig) -> None:
+    """Forget the tenants, release the group; no proc of it may be left."""
+    await asyncio.gather(*(rig.rm.remove(rig.names[role], actors, grace_s=0.5)
+                           for role, actors in rig.tenants.items()))
+    await rig.rm.release(rig.group, grace_s=0.5)
+    await gone(rig.pids.values())
 
 
 def alive(pid: int) -> bool:
@@ -116,14 +137,15 @@ async def gone(pids: Iterable[int], within_s: float = 5.0) -> None:
     assert not left, f"procs left behind: {left}"
 
 
-async def on_slot(rig: Rig, name: str, endpoint: str, slot: int, *args: Any) -> Any:
+async def on_slot(rig: Rig, role: str, endpoint: str, slot: int, *args: Any) -> Any:
     """One proc's answer (the tenant's actor on `slot`)."""
-    return await getattr(select(rig.tenants[name], gpus=slot), endpoint).call_one(*args)
+    actors = select(rig.tenants[role], gpus=rig.slots.index(slot))
+    return await getattr(actors, endpoint).call_one(*args)
 
 
-async def kept(rig: Rig, name: str) -> dict[int, str]:
-    """slot -> checksum of `name`'s weights, on the live procs (`name` must be awake)."""
-    return {slot: await on_slot(rig, name, "checksum", slot)
+async def kept(rig: Rig, role: str) -> dict[int, str]:
+    """slot -> checksum of the tenant's weights, on the live procs (it must be awake)."""
+    return {slot: await on_slot(rig, role, "checksum", slot)
             for slot, pid in rig.pids.items() if alive(pid)}
 
 
@@ -133,7 +155,7 @@ async def apart(rig: Rig) -> dict[int, int]:
     for slot, pid in rig.pids.items():
         if alive(pid):
             rss = (await on_slot(rig, SOURCE, "held", slot))["rss"]
-            infos = [await on_slot(rig, n, "describe", slot) for n in rig.tenants]
+            infos = [await on_slot(rig, role, "describe", slot) for role in rig.tenants]
             out[slot] = rss - sum(info.resident_bytes for info in infos)
     return out
 
@@ -143,14 +165,14 @@ async def measure(rig: Rig, baseline: dict[int, int], outcome: Outcome) -> None:
     status = (await rig.rm.status())[0]
     mismatches, awake, deviations = [], [], []
     for slot, pid in rig.pids.items():
-        reported = {n: status[slot].get(n) for n in rig.tenants}
+        reported = {role: status[slot].get(name) for role, name in rig.names.items()}
         if not alive(pid):  # a dead proc holds nothing: the arbiter must not count on it
             if any(stages is not None for stages in reported.values()):
                 mismatches.append(f"slot {slot}: proc dead, arbiter {reported}")
             awake.append(0)
             continue
-        infos = {n: await on_slot(rig, n, "describe", slot) for n in rig.tenants}
-        truth = {n: list(info.awake_stages) for n, info in infos.items()}
+        infos = {role: await on_slot(rig, role, "describe", slot) for role in rig.tenants}
+        truth = {role: list(info.awake_stages) for role, info in infos.items()}
         if truth != reported:
             mismatches.append(f"slot {slot}: arbiter {reported}, procs {truth}")
         awake.append(max(sum(bool(s) for s in truth.values()),
@@ -170,7 +192,7 @@ async def measure(rig: Rig, baseline: dict[int, int], outcome: Outcome) -> None:
         outcome.problems.append(f"two tenants awake: {status}")
 
 
-def check_error(err: BaseException | None, tenant: str, step: str, fault: str,
+def check_error(err: BaseException | None, rig: Rig, role: str, step: str, fault: str,
                 outcome: Outcome) -> None:
     if err is None:
         outcome.error = "NONE"
@@ -178,9 +200,8 @@ def check_error(err: BaseException | None, tenant: str, step: str, fault: str,
         return
     outcome.error = type(err).__name__
     text = INJECTED.sub("<injected>", str(err))
-    kind = step.split(":")[0]
-    named = {"tenant": tenant in text, "slot": f"slot {FAULT_SLOT}" in text,
-             "step": any(word in text for word in STEP_WORDS[kind])}
+    named = {"tenant": rig.names[role] in text, "slot": f"slot {rig.slots[0]}" in text,
+             "step": any(word in text for word in STEP_WORDS[step.split(":")[0]])}
     if fault == "kill":
         named["lost"] = isinstance(err, TenantLostError) and "died" in text
     outcome.names = "yes" if all(named.values()) else \
@@ -193,46 +214,47 @@ def classify(now: str, old: str, new: str) -> str:
     return "old" if now == old else "new" if now == new else "torn"
 
 
-async def run_row(rig: Rig, op: str, tenant: str, step: str, fault: str,
-                  seed: int) -> Outcome:
-    rm = rig.rm
-    outcome = Outcome(op, f"{tenant}.{step}", fault, problems=[])
+async def run_row(rig: Rig, op: str, role: str, step: str, fault: str, seed: int) -> Outcome:
+    rm, source, target = rig.rm, rig.names[SOURCE], rig.names[TARGET]
+    fault_slot, other_slot = rig.slots
+    outcome = Outcome(op, f"{role}.{step}", fault)
     # distinct weights, read while awake; then the source awake, as before a switch
-    await rm.wake(TARGET)
+    await rm.wake(target)
     await rig.tenants[TARGET].scramble.call(seed)
     target_before = await kept(rig, TARGET)
-    await rm.wake(SOURCE)
+    await rm.wake(source)
     source_before = await kept(rig, SOURCE)
     baseline = await apart(rig)
 
-    await rig.tenants[tenant].arm.call(step, fault, FAULT_SLOT, HANG_S)
+    await rig.tenants[role].arm.call(step, fault, fault_slot, HANG_S)
     start = time.monotonic()
     err: BaseException | None = None
     try:
         if op == "switch":
-            await rm.wake(TARGET)
+            await rm.wake(target)
         else:
-            await rm.handoff(SOURCE, TARGET)
+            await rm.handoff(source, target)
     except Exception as caught:
         err = caught
     outcome.seconds = time.monotonic() - start
-    check_error(err, tenant, step, fault, outcome)
+    if fault == "kill":  # the kernel takes a moment to end a killed process
+        await gone([rig.pids[fault_slot]])
+    check_error(err, rig, role, step, fault, outcome)
     await measure(rig, baseline, outcome)
 
     # the next switches: served, or refused with the slot said lost
     survivors: dict[str, dict[int, str]] = {}
     refusals = []
-    for name in (SOURCE, TARGET):
+    for r in (SOURCE, TARGET):
         try:
-            await rm.wake(name)
+            await rm.wake(rig.names[r])
         except TenantLostError as lost:
             refusals.append(lost)
         except Exception as other:
-            outcome.problems.append(f"the next wake of {name} failed: {other}")
-        survivors[name] = {slot: await on_slot(rig, name, "checksum", slot)
-                           for slot, pid in rig.pids.items() if alive(pid)}
+            outcome.problems.append(f"the next wake of {rig.names[r]} failed: {other}")
+        survivors[r] = await kept(rig, r)
     if fault == "kill":
-        said = all(f"slot {FAULT_SLOT}" in str(r) and "lost" in str(r) for r in refusals)
+        said = all(f"slot {fault_slot}" in str(r) and "lost" in str(r) for r in refusals)
         outcome.next = "lost, said" if len(refusals) == 2 and said else "NOT SAID"
         if outcome.next != "lost, said":
             outcome.problems.append(f"after the kill, wakes answered {refusals}")
@@ -244,35 +266,22 @@ async def run_row(rig: Rig, op: str, tenant: str, step: str, fault: str,
     marks = []
     for slot, now in survivors[SOURCE].items():
         if now != source_before[slot]:
-            outcome.problems.append(f"{SOURCE}'s weights changed on slot {slot}")
+            outcome.problems.append(f"{source}'s weights changed on slot {slot}")
             marks.append(f"{SOURCE}[{slot}] CHANGED")
     for slot, now in survivors[TARGET].items():
         got = classify(now, target_before[slot], source_before[slot])
-        marks.append(f"{slot}:{got}")
+        marks.append(f"{'fault' if slot == fault_slot else 'other'}:{got}")
         expected = {"old"} if op == "switch" else {"old", "new"}
-        if op == "handoff" and slot == OTHER_SLOT:
+        if op == "handoff" and slot == other_slot:
             expected = {"new"}  # no fault there: the handoff went through
         if got == "torn" and err is not None and "may hold part of" in str(err):
             expected.add("torn")  # the error said so
         if got not in expected:
-            outcome.problems.append(f"{TARGET}'s weights on slot {slot} are {got}, "
+            outcome.problems.append(f"{target}'s weights on slot {slot} are {got}, "
                                     f"expected {sorted(expected)}")
     outcome.kept = f"{SOURCE} same; {TARGET} " + " ".join(marks) \
         if not any("CHANGED" in m for m in marks) else " ".join(marks)
     return outcome
-
-
-async def renew(rig: Rig) -> tuple[Rig, float]:
-    """After a kill: forget the tenants, new procs for the group, the tenants again."""
-    start = time.monotonic()
-    await asyncio.gather(*(rig.rm.remove(name, actors, grace_s=0.5)
-                           for name, actors in rig.tenants.items()))
-    await rig.rm.release(GROUP, grace_s=0.5)
-    await gone(rig.pids.values())
-    fresh = await new_rig(rig.rm)
-    await fresh.rm.wake(TARGET)
-    await fresh.rm.wake(SOURCE)
-    return fresh, time.monotonic() - start
 
 
 def table(outcomes: list[Outcome]) -> str:
@@ -288,27 +297,37 @@ def table(outcomes: list[Outcome]) -> str:
 
 async def test_a_fault_at_every_step_leaves_a_consistent_slot_and_a_clear_error():
     seeds = itertools.count(100)
+    indices = itertools.count()
     outcomes: list[Outcome] = []
-    respawns: list[float] = []
+    renewals: list[float] = []
+    kills = [(op, role, step, "kill") for op, role, step in STEPS]
     try:
-        async with start_runtime(gpus_per_host=2, arbiter=CONFIG) as rm:
-            rig = await new_rig(rm)
-            for fault in FAULTS:
-                for op, tenant, step in STEPS:
-                    outcome = await run_row(rig, op, tenant, step, fault, next(seeds))
-                    outcomes.append(outcome)
-                    if fault == "kill":
-                        rig, seconds = await renew(rig)
-                        respawns.append(seconds)
-                        outcome.next += f", back in {seconds:.1f} s"
+        async with start_runtime(gpus_per_host=2 * RIGS_AT_ONCE, arbiter=CONFIG) as rm:
+            rigs = await new_rigs(rm, itertools.islice(indices, RIGS_AT_ONCE))
+            for fault in FAULTS[:-1]:  # these leave the rig usable: one rig serves them all
+                for op, role, step in STEPS:
+                    outcomes.append(await run_row(rigs[0], op, role, step, fault,
+                                                  next(seeds)))
+            while kills:
+                batch, kills = kills[:len(rigs)], kills[len(rigs):]
+                for rig, row in zip(rigs, batch, strict=False):
+                    outcomes.append(await run_row(rig, *row, next(seeds)))
+                start = time.monotonic()
+                await asyncio.gather(*(drop_rig(rig) for rig in rigs))
+                if kills:
+                    rigs = await new_rigs(rm, itertools.islice(indices,
+                                                               min(len(kills), RIGS_AT_ONCE)))
+                    renewals.append(time.monotonic() - start)
     finally:  # the table so far, also when a row broke the test
-        order = {(op, f"{t}.{s}"): i for i, (op, t, s) in enumerate(STEPS)}
+        order = {(op, f"{r}.{s}"): i for i, (op, r, s) in enumerate(STEPS)}
         outcomes.sort(key=lambda o: (order[o.op, o.step], FAULTS.index(o.fault)))
-        print(f"\n{table(outcomes)}\n(state: arbiter vs procs; awake: awake tenants on slot "
-              "0/1; rss: MiB a proc holds beyond its tenants' account, vs the row's start; "
-              f"kept: {TARGET}'s weights per slot: old, new = {SOURCE}'s whole copy, torn)")
-        if respawns:
-            print(f"a killed slot back (remove, release, spawn both, first switches): "
-                  f"{min(respawns):.1f}-{max(respawns):.1f} s")
-    problems = [f"{o.op} {o.step} {o.fault}: {p}" for o in outcomes for p in o.problems or ()]
+        print(f"\n{table(outcomes)}\n(state: arbiter vs procs; awake: awake tenants on the "
+              "fault's slot/the other; rss: MiB a proc holds beyond its tenants' account, vs "
+              f"the row's start; kept: {TARGET}'s weights per slot: old, new = {SOURCE}'s "
+              "whole copy, torn)")
+        if renewals:
+            print("killed rigs removed, their groups released, up to "
+                  f"{RIGS_AT_ONCE} new rigs spawned, in "
+                  + ", ".join(f"{s:.1f}" for s in renewals) + " s")
+    problems = [f"{o.op} {o.step} {o.fault}: {p}" for o in outcomes for p in o.problems]
     assert not problems, "\n".join(problems)
