@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import re
 import time
 from collections.abc import Iterable
@@ -28,7 +29,13 @@ import psutil
 import pytest
 from faulty import FaultyTenant
 
-from colocate.arbiter import ArbiterConfig, SwitchError, TenantLostError
+from colocate.arbiter import (
+    ArbiterConfig,
+    SlotArbiter,
+    SwitchError,
+    TenantInfo,
+    TenantLostError,
+)
 from colocate.resources.manager import ResourceManager, select
 from colocate.resources.packing import ResourceRequest
 from colocate.testing import start_runtime
@@ -331,3 +338,47 @@ async def test_a_fault_at_every_step_leaves_a_consistent_slot_and_a_clear_error(
                   + ", ".join(f"{s:.1f}" for s in renewals) + " s")
     problems = [f"{o.op} {o.step} {o.fault}: {p}" for o in outcomes for p in o.problems]
     assert not problems, "\n".join(problems)
+
+
+@dataclass
+class ProcTenantHandle:
+    """A tenant living in process `pid`, reached by calls that never answer once it is
+    gone (as a Monarch call to a killed proc): what the arbiter must notice by itself."""
+
+    name: str
+    pid: int
+    awake: tuple[str, ...]
+
+    async def describe(self) -> TenantInfo:
+        return TenantInfo(self.pid, "cpu", ("weights",), self.awake, 0, 0)
+
+    async def sleep(self, stages: Any = None) -> int:
+        await asyncio.Event().wait()  # the answer never comes
+        return 0
+
+    async def wake(self, stages: Any) -> None:
+        self.awake = tuple(stages)
+
+
+async def test_a_tenant_whose_proc_dies_is_lost_at_once_not_after_the_call_timeout():
+    proc = await asyncio.create_subprocess_exec("sleep", "60")
+    arbiter = SlotArbiter([0], ArbiterConfig(call_timeout_s=60))
+    await arbiter.register(0, ProcTenantHandle("a", proc.pid, ("weights",)))
+    await arbiter.register(0, ProcTenantHandle("b", os.getpid(), ()))
+    switch = asyncio.create_task(arbiter.wake("b"))  # a's sleep never answers
+    await asyncio.sleep(0.2)
+    start = time.monotonic()
+    proc.kill()
+    with pytest.raises(TenantLostError, match=rf"a failed to sleep on slot 0: a lost on slot "
+                       rf"0: its proc, pid {proc.pid}, died during a.sleep\. .*rm.release"):
+        await switch
+    assert time.monotonic() - start < 1.0
+    assert (switch.exception().slot, switch.exception().tenants) == (0, ("a",))
+    assert arbiter.status() == {0: {"a": None, "b": []}}
+    await arbiter.wake("b")  # a holds nothing now: b wakes without it
+    assert arbiter.status() == {0: {"a": None, "b": ["weights"]}}
+    with pytest.raises(TenantLostError, match="a cannot wake on slot 0: it is lost"):
+        await arbiter.wake("a")
+    await arbiter.unregister("a")  # forgotten, as rm.remove does
+    assert arbiter.status() == {0: {"b": ["weights"]}}
+    await proc.wait()

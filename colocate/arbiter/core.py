@@ -241,12 +241,15 @@ class SlotArbiter:
             slot.unknown.discard(name)
             slot.mark(name, ())
         return TenantLostError(f"{' and '.join(names)} lost on slot {slot.index}: {why}. "
-                               + _AFTER_LOSS.format(slot=slot.index))
+                               + _AFTER_LOSS.format(slot=slot.index), slot.index,
+                               tuple(slot.lost))
 
     @staticmethod
     def _failed(slot: Slot, names: Iterable[str], message: str) -> SwitchError:
         """The error for a failed step: a TenantLostError when it lost one of `names`."""
-        return (TenantLostError if any(n in slot.lost for n in names) else SwitchError)(message)
+        if any(n in slot.lost for n in names):
+            return TenantLostError(message, slot.index, tuple(slot.lost))
+        return SwitchError(message)
 
     async def _learn(self, slot: Slot, name: str) -> None:
         """Ask a tenant for its real state after a failure; lost if its proc died, unknown
@@ -348,7 +351,8 @@ class SlotArbiter:
     async def _wake_on(self, slot: Slot, name: str, stages: Sequence[str] | None) -> None:
         if name in slot.lost:
             raise TenantLostError(f"{name} cannot wake on slot {slot.index}: it is lost "
-                                  f"({slot.lost[name]}). " + _AFTER_LOSS.format(slot=slot.index))
+                                  f"({slot.lost[name]}). " + _AFTER_LOSS.format(slot=slot.index),
+                                  slot.index, tuple(slot.lost))
         handle = slot.tenants[name]
         known = slot.infos[name].stages  # fixed at registration
         unknown = [s for s in stages or () if s not in known]
