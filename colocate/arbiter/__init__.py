@@ -11,6 +11,7 @@ from colocate.arbiter.errors import (
     ArbiterTimeoutError,
     ReleaseNotVerifiedError,
     SwitchError,
+    TenantLostError,
 )
 from colocate.arbiter.policy import Budget, Exclusive, Policy
 from colocate.arbiter.tenant import TaggedTenant, Tenancy, TenantHandle, TenantInfo
@@ -18,5 +19,5 @@ from colocate.arbiter.tenant import TaggedTenant, Tenancy, TenantHandle, TenantI
 __all__ = [
     "ArbiterConfig", "ArbiterError", "ArbiterTimeoutError", "Budget", "Exclusive", "Policy",
     "ReleaseNotVerifiedError", "SlotArbiter", "SwitchError", "TaggedTenant", "Tenancy",
-    "TenantHandle", "TenantInfo",
+    "TenantHandle", "TenantInfo", "TenantLostError",
 ]

@@ -6,6 +6,8 @@ measurement that their memory came back (NVML on GPU, the proc's RSS on CPU), th
 the tenant stage by stage. Requests hold their slots' locks, taken in slot order, so they
 are served in arrival order per slot. A failure rolls the slot back (the sleeper woken
 again, or the half-woken tenant put back to sleep) and the error says who is awake where.
+While it waits for a tenant, it watches the tenant's process: a tenant whose proc died is
+lost at once (with the other tenants of that proc on the slot), not after a timeout.
 """
 
 from __future__ import annotations
@@ -17,18 +19,45 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import psutil
+
 from colocate import telemetry
 from colocate.arbiter.errors import (
     ArbiterError,
     ArbiterTimeoutError,
     ReleaseNotVerifiedError,
     SwitchError,
+    TenantLostError,
 )
 from colocate.arbiter.policy import POLICIES, Policy
 from colocate.arbiter.tenant import TenantHandle, TenantInfo
 from colocate.checks import check_choice, check_int, check_number
 
 T = TypeVar("T")
+LIVENESS_POLL_S = 0.05  # how often a pending tenant call checks that the tenant's proc runs
+_AFTER_LOSS = ("To use slot {slot} again, remove its lost tenants (rm.remove) and give it new "
+               "procs (rm.release(group), then allocate again)")
+
+
+_PF_EXITING = 0x4  # Linux task flag: the process has begun to exit (its memory is going)
+
+
+def _proc_alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs: not gone, not a zombie, and (where
+    /proc tells) not in its exit, when its memory already reads as released."""
+    try:
+        if psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return False
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # it exists, but we may not look at it
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            flags = int(stat.read().rsplit(b")", 1)[1].split()[6])  # field 9, after comm
+    except (OSError, ValueError, IndexError):  # no /proc here, or the process just went
+        return psutil.pid_exists(pid)
+    return not flags & _PF_EXITING
 
 
 class ArbiterConfigError(ArbiterError, ValueError):
@@ -80,6 +109,7 @@ class Slot:
     awake: dict[str, tuple[str, ...]] = field(default_factory=dict)
     woken_order: list[str] = field(default_factory=list)  # least recently woken first
     unknown: set[str] = field(default_factory=set)  # state lost after a failure
+    lost: dict[str, str] = field(default_factory=dict)  # tenant -> why: its proc died
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def awake_tenants(self) -> list[str]:
@@ -95,7 +125,9 @@ class Slot:
     def who(self) -> str:
         parts = []
         for name in self.tenants:
-            if name in self.unknown:
+            if name in self.lost:
+                parts.append(f"{name} lost ({self.lost[name]})")
+            elif name in self.unknown:
                 parts.append(f"{name} unknown (treated as awake)")
             elif self.awake.get(name):
                 parts.append(f"{name} awake ({', '.join(self.awake[name])})")
@@ -114,14 +146,23 @@ class SlotArbiter:
 
     # -- measurement ------------------------------------------------------------------
 
-    def _reading(self, slot: Slot, name: str) -> telemetry.MemoryReading:
+    def _reading(self, slot: Slot, name: str, during: str) -> telemetry.MemoryReading:
         """The memory of `name`'s process: its RSS (CPU), or its share of its GPU where NVML
         gives per-process usage (device-wide otherwise), so other processes on the GPU do
-        not blur the release check."""
+        not blur the release check. A process that died loses its tenants."""
         info = slot.infos[name]
-        if info.device == "cpu":
-            return telemetry.read_pid(info.pid)
-        return telemetry.read_gpu_uuid_process(info.device, info.pid)
+        try:
+            if info.device == "cpu":
+                reading = telemetry.read_pid(info.pid)
+            else:
+                reading = telemetry.read_gpu_uuid_process(info.device, info.pid)
+        except telemetry.TelemetryError:
+            if not _proc_alive(info.pid):
+                raise self._lose(slot, info.pid, during) from None
+            raise
+        if not _proc_alive(info.pid):  # a dying process reads as released: it is lost
+            raise self._lose(slot, info.pid, during)
+        return reading
 
     def _free(self, slot: Slot) -> int | None:
         """The slot's free memory where the policy needs it, else None (nothing measured)."""
@@ -141,7 +182,8 @@ class SlotArbiter:
         """Poll until `name`'s memory fell by the expected share; returns the drop seen."""
         deadline = time.monotonic() + self.config.release_timeout_s
         while True:
-            drop = before - self._reading(slot, name).used_bytes
+            drop = before - self._reading(slot, name, f"the release check of {name}'s "
+                                          "sleep").used_bytes
             if drop >= self.config.release_fraction * expected or time.monotonic() > deadline:
                 return drop
             await asyncio.sleep(0.002)
@@ -184,18 +226,61 @@ class SlotArbiter:
             for slot in held:
                 slot.lock.release()
 
-    async def _call(self, what: str, call: Awaitable[T]) -> T:
+    async def _call(self, what: str, call: Awaitable[T], slot: Slot | None = None,
+                    name: str | None = None) -> T:
+        """`call`'s answer within `call_timeout_s`. For a call to tenant `name` of `slot`,
+        the tenant's proc is watched meanwhile: if it dies, its tenants are lost at once."""
+        task = asyncio.ensure_future(call)
+        pid = slot.infos[name].pid if slot is not None and name is not None else None
+        deadline = time.monotonic() + self.config.call_timeout_s
         try:
-            async with asyncio.timeout(self.config.call_timeout_s):
-                return await call
-        except TimeoutError:
-            raise ArbiterTimeoutError(
-                f"{what} did not answer within {self.config.call_timeout_s} s") from None
+            while not task.done():
+                if pid is not None and not _proc_alive(pid):
+                    raise self._lose(slot, pid, what)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ArbiterTimeoutError(
+                        f"{what} did not answer within {self.config.call_timeout_s} s")
+                await asyncio.wait({task}, timeout=min(left, LIVENESS_POLL_S))
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def _lose(self, slot: Slot, pid: int, during: str) -> TenantLostError:
+        """Mark every tenant of process `pid` on `slot` lost (asleep: a dead process holds
+        nothing), and return the error that says so."""
+        why = f"its proc, pid {pid}, died during {during}"
+        names = [n for n, info in slot.infos.items() if info.pid == pid]
+        for name in names:
+            slot.lost.setdefault(name, why)
+            slot.unknown.discard(name)
+            slot.mark(name, ())
+        return TenantLostError(f"{' and '.join(names)} lost on slot {slot.index}: {why}. "
+                               + _AFTER_LOSS.format(slot=slot.index), slot.index,
+                               tuple(slot.lost))
+
+    @staticmethod
+    def _failed(slot: Slot, names: Iterable[str], message: str) -> SwitchError:
+        """The error for a failed step: a TenantLostError when it lost one of `names`."""
+        if any(n in slot.lost for n in names):
+            return TenantLostError(message, slot.index, tuple(slot.lost))
+        return SwitchError(message)
 
     async def _learn(self, slot: Slot, name: str) -> None:
-        """Ask a tenant for its real state after a failure; unknown if it cannot say."""
+        """Ask a tenant for its real state after a failure; lost if its proc died, unknown
+        if it cannot say."""
+        if name in slot.lost:
+            return
+        pid = slot.infos[name].pid
+        if not _proc_alive(pid):
+            self._lose(slot, pid, f"a call to {name}")
+            return
         try:
-            info = await self._call(f"{name}.describe", slot.tenants[name].describe())
+            info = await self._call(f"{name}.describe", slot.tenants[name].describe(),
+                                    slot, name)
+        except TenantLostError:
+            return
         except Exception:
             slot.unknown.add(name)
             slot.mark(name, ("?",))
@@ -241,7 +326,7 @@ class SlotArbiter:
                 self._forget(slot, name)
 
     def _forget(self, slot: Slot, name: str) -> None:
-        for table in (slot.tenants, slot.infos, slot.awake):
+        for table in (slot.tenants, slot.infos, slot.awake, slot.lost):
             table.pop(name, None)
         slot.unknown.discard(name)
         if name in slot.woken_order:
@@ -278,6 +363,10 @@ class SlotArbiter:
                               + " | ".join(str(e) for e in errors)) from errors[0]
 
     async def _wake_on(self, slot: Slot, name: str, stages: Sequence[str] | None) -> None:
+        if name in slot.lost:
+            raise TenantLostError(f"{name} cannot wake on slot {slot.index}: it is lost "
+                                  f"({slot.lost[name]}). " + _AFTER_LOSS.format(slot=slot.index),
+                                  slot.index, tuple(slot.lost))
         handle = slot.tenants[name]
         known = slot.infos[name].stages  # fixed at registration
         unknown = [s for s in stages or () if s not in known]
@@ -288,7 +377,7 @@ class SlotArbiter:
             return
         needed = 0
         if self.policy.measures:  # the tenant's size matters to the policy
-            info = await self._call(f"{name}.describe", handle.describe())
+            info = await self._call(f"{name}.describe", handle.describe(), slot, name)
             slot.infos[name] = info
             needed = info.tagged_bytes - info.resident_bytes
         slept: list[tuple[str, tuple[str, ...]]] = []
@@ -303,11 +392,11 @@ class SlotArbiter:
             await self._rewake(slot, slept)
             raise
         try:
-            await self._call(f"{name}.wake({todo})", handle.wake(todo))
+            await self._call(f"{name}.wake({todo})", handle.wake(todo), slot, name)
         except BaseException as err:
             await self._undo_wake(slot, name, slept)
-            raise SwitchError(f"{name} failed to wake {todo}: {err}; rolled back: "
-                              f"{slot.who()}") from err
+            raise self._failed(slot, [name], f"{name} failed to wake {todo}: {err}; rolled "
+                               f"back: {slot.who()}") from err
         slot.mark(name, [*slot.awake.get(name, ()), *todo])
         self._check(slot)
 
@@ -323,7 +412,7 @@ class SlotArbiter:
                          slept: list[tuple[str, tuple[str, ...]]]) -> None:
         """After a failed wake: put the tenant back to sleep, then wake whom it displaced."""
         try:
-            await self._call(f"{name}.sleep", slot.tenants[name].sleep(None))
+            await self._call(f"{name}.sleep", slot.tenants[name].sleep(None), slot, name)
             slot.mark(name, ())
         except Exception:
             await self._learn(slot, name)
@@ -333,7 +422,8 @@ class SlotArbiter:
     async def _rewake(self, slot: Slot, slept: list[tuple[str, tuple[str, ...]]]) -> None:
         for victim, stages in slept:
             try:
-                await self._call(f"{victim}.wake", slot.tenants[victim].wake(stages))
+                await self._call(f"{victim}.wake", slot.tenants[victim].wake(stages), slot,
+                                 victim)
                 slot.mark(victim, stages)
             except Exception:
                 await self._learn(slot, victim)
@@ -347,15 +437,15 @@ class SlotArbiter:
         todo = [s for s in awake_stages if stages is None or s in stages]
         if not todo:
             return
-        before = self._reading(slot, name).used_bytes
+        before = self._reading(slot, name, f"{name}.sleep").used_bytes
         not_woken = f"; {waking} was not woken" if waking else ""
         try:
             expected = await self._call(f"{name}.sleep", handle.sleep(
-                None if stages is None else todo))
+                None if stages is None else todo), slot, name)
         except BaseException as err:
             await self._learn(slot, name)
-            raise SwitchError(f"{name} failed to sleep on slot {slot.index}: {err}; "
-                              f"{slot.who()}{not_woken}") from err
+            raise self._failed(slot, [name], f"{name} failed to sleep on slot {slot.index}: "
+                               f"{err}; {slot.who()}{not_woken}") from err
         slot.mark(name, [s for s in awake_stages if s not in todo])
         slot.unknown.discard(name)
         if expected < self.config.min_verified_bytes:
@@ -393,7 +483,7 @@ class SlotArbiter:
     async def _handoff_on(self, slot: Slot, source: str, target: str, keep: Sequence[str],
                           first: Sequence[str]) -> int:
         source_stages = slot.awake.get(source, ())
-        if not set(keep) <= set(source_stages) or slot.unknown:
+        if not set(keep) <= set(source_stages) or slot.unknown or target in slot.lost:
             raise ArbiterError(f"handoff {source} -> {target} needs {source} awake with "
                                f"{list(keep)} on slot {slot.index}: {slot.who()}")
         for other in slot.awake_tenants():
@@ -403,22 +493,29 @@ class SlotArbiter:
         await self._sleep_verified(slot, source, waking=target,
                                    stages=[s for s in source_stages if s not in keep])
         handle = slot.tenants[target]
+        step, copying = f"{target}.wake({list(first)})", False
         try:
-            await self._call(f"{target}.wake({list(first)})", handle.wake(first))
+            await self._call(step, handle.wake(first), slot, target)
             slot.mark(target, first)
-            copied = await self._call(f"{target}.receive({source})", handle.receive(source))
+            step, copying = f"{target}.receive({source})", True
+            copied = await self._call(step, handle.receive(source), slot, target)
+            step, copying = f"{source}.sleep", False
             await self._sleep_verified(slot, source, waking=target)
         except BaseException as err:
             await self._undo_handoff(slot, source, target, source_stages)
-            raise SwitchError(f"handoff {source} -> {target} failed on slot {slot.index}: "
-                              f"{err}; rolled back: {slot.who()}") from err
+            torn = (f"; {target}'s {list(first)} may hold part of {source}'s now: hand off "
+                    f"again before {target} serves") if copying else ""
+            raise self._failed(slot, [source, target], f"handoff {source} -> {target} failed "
+                               f"on slot {slot.index} at {step}: {err}; rolled back: "
+                               f"{slot.who()}{torn}") from err
         rest = [s for s in slot.infos[target].stages if s not in first]
         try:
-            await self._call(f"{target}.wake({rest})", handle.wake(rest))
+            await self._call(f"{target}.wake({rest})", handle.wake(rest), slot, target)
         except BaseException as err:
             await self._undo_wake(slot, target, [])
-            raise SwitchError(f"{target} took {source}'s weights but failed to wake {rest}: "
-                              f"{err}; {slot.who()}") from err
+            raise self._failed(slot, [target], f"{target} took {source}'s weights but failed "
+                               f"to wake {rest} on slot {slot.index}: {err}; {slot.who()}"
+                               ) from err
         slot.mark(target, [*first, *rest])
         self._check(slot)
         return copied
@@ -427,7 +524,8 @@ class SlotArbiter:
                             source_stages: tuple[str, ...]) -> None:
         """Target asleep, then source awake as before the handoff."""
         try:
-            await self._call(f"{target}.sleep", slot.tenants[target].sleep(None))
+            await self._call(f"{target}.sleep", slot.tenants[target].sleep(None), slot,
+                            target)
             slot.mark(target, ())
         except Exception:
             await self._learn(slot, target)
@@ -444,9 +542,10 @@ class SlotArbiter:
         return found
 
     def status(self) -> dict[int, dict[str, list[str] | None]]:
-        """Per slot: tenant -> its awake stages ([] asleep; None when unknown)."""
+        """Per slot: tenant -> its awake stages ([] asleep; None when unknown or lost)."""
         return {
-            slot.index: {name: None if name in slot.unknown else list(slot.awake.get(name, ()))
+            slot.index: {name: None if name in slot.unknown or name in slot.lost
+                         else list(slot.awake.get(name, ()))
                          for name in slot.tenants}
             for slot in self.slots.values()
         }

@@ -13,6 +13,20 @@ class ReleaseNotVerifiedError(SwitchError):
     """A tenant was put to sleep but the measured memory did not come back in time."""
 
 
+class TenantLostError(SwitchError):
+    """A tenant's proc died: it and the other tenants of that proc on the slot hold nothing
+    and cannot be woken again (the message says which, when, and what to do). `slot` and
+    `tenants` (every lost tenant of that slot) say it to code."""
+
+    def __init__(self, message: str, slot: int | None = None,
+                 tenants: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.slot, self.tenants = slot, tuple(tenants)
+
+    def __reduce__(self) -> tuple:  # the fields survive the trip back from the arbiter
+        return type(self), (str(self), self.slot, self.tenants)
+
+
 class ArbiterTimeoutError(ArbiterError):
     """A request waited longer than its timeout for a slot, or a tenant call did not answer."""
 
