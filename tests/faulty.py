@@ -76,12 +76,6 @@ class FaultyTenant(TenantActor):
         if slot == self.slot:
             self.plan = (step, fault, hang_s)
 
-    @endpoint
-    def disarm(self) -> bool:
-        """Drop the plan; True if it had not fired."""
-        armed, self.plan = self.plan is not None, None
-        return armed
-
     def _fault(self, step: str) -> None:
         if self.plan is None or self.plan[0] != step:
             return
@@ -108,9 +102,7 @@ class FaultyTenant(TenantActor):
                 self._fault(f"sleep:{stage}")
                 released += self.tenancy.sleep([stage])
                 paused.append(stage)
-        release = next((p for p in paused if self.plan and self.plan[0] == f"release:{p}"),
-                       None)
-        if release is not None:
+        if self.plan and self.plan[0] in {f"release:{p}" for p in paused}:
             self._hold_back(released)
         return released
 

@@ -28,7 +28,7 @@ from faulty import FaultyTenant, InjectedFault
 from colocate import phase
 from colocate.resources.manager import ResourceManager
 from services import Service, ServiceConfig, spawn_service
-from services.replica import Health
+from services.replica import ReplicaState
 
 SWITCH_S = (0.02, 0.1)
 KILL_AT = (0.2, 0.6)  # the kill comes after this share of the calls ended (random in it)
@@ -172,13 +172,13 @@ async def run_load(rm: ResourceManager, calls: int = 2000, clients: int = 200,
     await switching
     for name, replica in procs.items() if kill else ():
         svc = services[name]
-        if replica.health is Health.HEALTHY:
+        if replica.state is ReplicaState.HEALTHY:
             async with phase(svc, rm=rm):
                 answers = await svc.work.fanout(1)
             report.served_after[name] = any(a["tenant"] == replica.tenant for a in answers)
     for svc in services.values():
         for replica in svc.replicas:
-            if replica.health is Health.HEALTHY:
+            if replica.state is ReplicaState.HEALTHY:
                 for _, counts in (await replica.actors.counts.call()).items():
                     report.asleep_counted_by_tenants += counts["asleep"]
                     report.awake_counted_by_tenants += counts["awake"]
@@ -201,10 +201,10 @@ async def _watch(procs: dict[str, Any], t0: float, within_s: float,
     while time.monotonic() < killed_at + within_s and len(report.back_s) < len(procs):
         for name, replica in procs.items():
             now = time.monotonic() - killed_at
-            if name not in report.failed_s and (replica.health is not Health.HEALTHY
+            if name not in report.failed_s and (replica.state is not ReplicaState.HEALTHY
                                                 or replica.respawned):
                 report.failed_s[name] = now
             if name not in report.back_s and replica.respawned and \
-                    replica.health is Health.HEALTHY:
+                    replica.state is ReplicaState.HEALTHY:
                 report.back_s[name] = now
         await asyncio.sleep(0.01)

@@ -37,8 +37,6 @@ T = TypeVar("T")
 LIVENESS_POLL_S = 0.05  # how often a pending tenant call checks that the tenant's proc runs
 _AFTER_LOSS = ("To use slot {slot} again, remove its lost tenants (rm.remove) and give it new "
                "procs (rm.release(group), then allocate again)")
-
-
 _PF_EXITING = 0x4  # Linux task flag: the process has begun to exit (its memory is going)
 
 
@@ -169,7 +167,8 @@ class SlotArbiter:
         return self._free_bytes(slot) if self.policy.measures else None
 
     def _free_bytes(self, slot: Slot) -> int:
-        info = next(iter(slot.infos.values()))  # colocated tenants share the process
+        # colocated tenants share the process; a lost tenant's process is gone
+        info = next(i for n, i in slot.infos.items() if n not in slot.lost)
         reading = telemetry.read_pid(info.pid) if info.device == "cpu" \
             else telemetry.read_gpu_uuid(info.device)
         capacity = reading.total_bytes or self.config.slot_capacity_bytes
