@@ -1,7 +1,8 @@
 """`rm.shutdown()` with calls in flight and switches under way: no process the runtime
 started is left (checked by pid), `init` works again in the same process, and every call
 ends with an error (or with the answer of an awake replica that finished before its proc
-stopped), as does every switch."""
+stopped), as does every switch. And `rm.release(group)`, which shutdown runs, leaves none
+of the group's tenants routable."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from colocate import phase
 from colocate.arbiter import ArbiterConfig
 from colocate.resources.manager import ResourceManager, init
 from colocate.resources.packing import ResourceRequest
+from colocate.testing import start_runtime
 from services import ServiceConfig, spawn_service
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("procs_import_tests")]
@@ -126,13 +128,10 @@ async def test_shutdown_with_calls_in_flight_leaves_no_proc_and_init_works_again
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "services/ and resources/ bugs, reported for the lead: after rm.release(group) (which "
-    "shutdown runs) ResourceManager.routable() says True for the group's tenants (no longer "
-    "in rm.tenants, still in rm.spawned), so calls waiting for a sleeping trainer are served "
-    "by it asleep; shutdown does not close the services, so calls in replicas' mailboxes end "
-    "only when Monarch gives up on the stopped procs (> 15 s) and a switch waiting in the "
-    "drain ends after wait_timeout_s (60 s); each failed call respawns its replica, and "
-    "replace_procs raises KeyError for the released group"))
+    "services/ and resources/ bugs, reported for the lead: shutdown does not close the "
+    "services, so routed calls in the replicas' mailboxes end only when Monarch gives up on "
+    "the stopped procs (> 15 s), a switch waiting in their drain only after wait_timeout_s "
+    "(60 s), and each failed call starts a respawn on the released group"))
 async def test_shutdown_ends_every_call_and_switch_with_an_error():
     busy = await busy_runtime()
     await busy.rm.shutdown()
@@ -146,3 +145,17 @@ async def test_shutdown_ends_every_call_and_switch_with_an_error():
     assert not await none_left(busy.procs, STOPPED_WITHIN_S)
     assert not {"pending", "answered asleep"} & set(outcomes), outcomes
     assert all(o not in ("answered", "answered asleep") for o in outcomes[len(busy.calls):])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "resources/ bug, reported for the lead: rm.release(group) forgets the group's tenants "
+    "at the switchboard but not in rm.faults, so routable() takes them for plain actors "
+    "(which never sleep) and says True, also for one asleep: a service would route to it"))
+async def test_a_released_groups_tenants_are_not_routable():
+    async with start_runtime(gpus_per_host=1) as rm:
+        request = ResourceRequest("g", 1, 1)
+        for seed, name in enumerate(("a", "b"), 1):
+            await rm.spawn(name, FaultyTenant, await rm.allocate(request, name), 1, 1, seed)
+        assert (rm.routable("a"), rm.routable("b")) == (True, False)  # b asleep
+        await rm.release("g", grace_s=1.0)
+        assert (rm.routable("a"), rm.routable("b")) == (False, False)
