@@ -147,10 +147,6 @@ async def test_shutdown_ends_every_call_and_switch_with_an_error():
     assert all(o not in ("answered", "answered asleep") for o in outcomes[len(busy.calls):])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "resources/ bug, reported for the lead: rm.release(group) forgets the group's tenants "
-    "at the switchboard but not in rm.faults, so routable() takes them for plain actors "
-    "(which never sleep) and says True, also for one asleep: a service would route to it"))
 async def test_a_released_groups_tenants_are_not_routable():
     async with start_runtime(gpus_per_host=1) as rm:
         request = ResourceRequest("g", 1, 1)

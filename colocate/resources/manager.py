@@ -263,10 +263,12 @@ class ResourceManager:
     # -- teardown --------------------------------------------------------------------
 
     async def release(self, group: str, grace_s: float = 5.0) -> None:
-        """Stop the group's procs and give its GPUs back."""
+        """Stop the group's procs and give its GPUs back; its tenants are forgotten (no
+        longer routable, their names free again)."""
         released = await self.groups.release(group, grace_s)
         for name in self.switchboard.forget_slots(released.slots()):
             self._tenant_actors.pop(name, None)
+            self.faults.forget(name)
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """Stop every group, the arbiters and the hosts: gracefully, then by force."""
