@@ -6,9 +6,10 @@
     with phase("trainer"):              # the blocking form, for notebooks and scripts
         ...
 
-On entry the arbiters wake each named tenant in turn, putting to sleep whoever conflicts.
-On exit nothing moves: the tenant stays awake until another phase needs its slots, so a
-repeated phase costs no switch.
+On entry the arbiters wake each named tenant in turn, putting to sleep whoever conflicts;
+one that cannot wake (its proc died: `TenantLostError`) does not keep the others asleep,
+and its error is raised once the others are awake. On exit nothing moves: the tenant stays
+awake until another phase needs its slots, so a repeated phase costs no switch.
 
 The blocking form runs the switch on a helper thread's loop while it holds the caller's. In
 Jupyter, where a loop always runs, a call still in flight on that loop (a background task)
@@ -68,9 +69,20 @@ class phase:  # noqa: N801 - used like a function, as contextlib's helpers are
         self.rm = rm
 
     async def _enter(self) -> None:
+        """Wake each tenant in turn; one that fails does not keep the others asleep: the
+        first error is raised once all were tried, noting the others'."""
         rm = self.rm or current()
+        failed: list[tuple[str, Exception]] = []
         for name in self.names:
-            await rm.wake(name, self.stages)
+            try:
+                await rm.wake(name, self.stages)
+            except Exception as err:
+                failed.append((name, err))
+        if failed:
+            first = failed[0][1]
+            for name, err in failed[1:]:
+                first.add_note(f"{name} did not wake either: {type(err).__name__}: {err}")
+            raise first
 
     async def __aenter__(self) -> phase:
         await self._enter()

@@ -34,6 +34,7 @@ from typing import Any
 
 from monarch.actor import ActorError
 
+from colocate.abortable import Abortable
 from colocate.memory import TagPausedError
 from colocate.monarch_compat import endpoint_names
 from colocate.resources.groups import Allocation
@@ -82,10 +83,11 @@ class Service:
         self._changes = Changes()  # switches, finished calls, replica states, closing
         self.on_respawn: list[Callable[[Replica], Awaitable[None]]] = []
         self._tasks: set[asyncio.Task] = set()  # respawns under way
+        self._calls = Abortable()  # calls in the replicas: a closing service ends them
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()  # the client's Monarch context
         self._watcher = Watcher(drain=self._drain, changed=self._changes.notify,
-                                failed=self._on_failure)
+                                failed=self._on_failure, close=self._close_with_runtime)
         rm.watch(self._watcher)
 
     def __getattr__(self, name: str) -> ServiceEndpoint:
@@ -188,7 +190,9 @@ class Service:
         while True:
             replica = await self._pick(session, failed)
             try:
-                return await replica.call(endpoint, args, kwargs)
+                return await self._calls.run(replica.call(endpoint, args, kwargs))
+            except ServiceClosedError:
+                raise
             except ActorError as err:
                 if isinstance(err.exception, TagPausedError):
                     continue  # put to sleep under us: not a failure; route again
@@ -211,7 +215,8 @@ class Service:
         """Every awake, healthy replica; when none is, the when_asleep policy first."""
         picked = None if self._routable(set()) else await self._pick(None, set())
         replicas = self._routable(set()) or [picked]
-        return list(await asyncio.gather(*(r.call(endpoint, args, kwargs) for r in replicas)))
+        return list(await asyncio.gather(*(self._calls.run(r.call(endpoint, args, kwargs))
+                                           for r in replicas)))
 
     def lose(self, replica: Replica, err: BaseException) -> bool:
         """For callers that reach a replica's actors directly: True when `err` says the
@@ -327,21 +332,50 @@ class Service:
         """Wait until the replicas of `tenants` have no call in flight (the resource manager
         stopped routing to them before calling this), woken as calls finish."""
         timeout = timeout_s or self.config.wait_timeout_s
-        if not await self._changes.wait_for(
-                lambda: not any(r.in_flight for r in self.replicas if r.tenant in tenants),
-                timeout):
+        if not await self._drained(tenants, timeout):
             logger.warning("service %r: calls still in flight after %s s; switching anyway",
                            self.name, timeout)
 
-    async def shutdown(self, grace_s: float = 30.0) -> None:
-        """Take no new calls, let the ones in flight finish, then stop the replicas' actors
-        and free their procs (the resource group keeps its procs for other services)."""
+    async def _drained(self, tenants: set[str], timeout_s: float) -> bool:
+        return await self._changes.wait_for(
+            lambda: not any(r.in_flight for r in self.replicas if r.tenant in tenants),
+            timeout_s)
+
+    async def _close(self, grace_s: float, finish_respawns: bool) -> None:
+        """Take no new calls (the waiting ones end now), stop scaling, let the respawns
+        under way finish (or cancel them), give the calls in flight `grace_s` to finish,
+        then end those left with `ServiceClosedError`."""
         self.closed = True
         self._changes.notify()  # calls waiting for a replica end now
         if self.autoscaler is not None:
             await self.autoscaler.stop()
-        await asyncio.gather(*self._tasks, return_exceptions=True)  # respawns end first
-        await self._drain({r.tenant for r in self.replicas}, grace_s)
+        if not finish_respawns:
+            for task in self._tasks:
+                task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if not await self._drained({r.tenant for r in self.replicas}, grace_s):
+            logger.warning("service %r: calls still in flight after %s s; ending them",
+                           self.name, grace_s)
+        self._calls.abort(lambda: ServiceClosedError(
+            f"service {self.name!r} was shut down before this call ended; its result is "
+            "lost (shutdown waits grace_s for calls in flight)"))
+
+    async def _close_with_runtime(self, grace_s: float) -> None:
+        """The runtime is shutting down (it stops the procs next): close, cancelling
+        respawns, and count every replica as stopped."""
+        await self._close(grace_s, finish_respawns=False)
+        for replica in self.replicas:
+            if replica.state is S.HEALTHY:
+                replica.move(S.DRAINING)
+            if replica.state in (S.DRAINING, S.FAILED):
+                replica.move(S.STOPPED, replica.failure)
+        self.rm.unwatch(self._watcher)
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Take no new calls, let the ones in flight finish (those still running after
+        `grace_s` end with `ServiceClosedError`), then stop the replicas' actors and free
+        their procs (the resource group keeps its procs for other services)."""
+        await self._close(grace_s, finish_respawns=True)
         for replica in self.replicas:
             if replica.state is not S.STOPPED:
                 await self.remove_replica(replica, grace_s)

@@ -19,7 +19,8 @@ from colocate.arbiter import ArbiterConfig
 from colocate.resources.manager import ResourceManager, init
 from colocate.resources.packing import ResourceRequest
 from colocate.testing import start_runtime
-from services import ServiceConfig, spawn_service
+from services import Service, ServiceConfig, spawn_service
+from services.replica import ReplicaState
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("procs_import_tests")]
 
@@ -58,6 +59,7 @@ class Busy:
     calls: list[asyncio.Task]  # routed: the generator's in its replicas, the trainer's waiting
     switches: dict[str, asyncio.Task]
     procs: set[int]
+    services: list[Service]
 
 
 async def busy_runtime() -> Busy:
@@ -87,7 +89,7 @@ async def busy_runtime() -> Busy:
     procs = descendants() - before
     slot_procs = {pid for group in ("rl", "other") for pid in rm.group(group).pids}
     assert len(slot_procs) == 4 and slot_procs < procs  # and the arbiter's proc
-    return Busy(rm, calls, switches, procs)
+    return Busy(rm, calls, switches, procs, [trainer, generator])
 
 
 def outcome(task: asyncio.Task) -> str:
@@ -127,11 +129,6 @@ async def test_shutdown_with_calls_in_flight_leaves_no_proc_and_init_works_again
     assert not await none_left(started, STOPPED_WITHIN_S)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "services/ and resources/ bugs, reported for the lead: shutdown does not close the "
-    "services, so routed calls in the replicas' mailboxes end only when Monarch gives up on "
-    "the stopped procs (> 15 s), a switch waiting in their drain only after wait_timeout_s "
-    "(60 s), and each failed call starts a respawn on the released group"))
 async def test_shutdown_ends_every_call_and_switch_with_an_error():
     busy = await busy_runtime()
     await busy.rm.shutdown()
@@ -145,6 +142,8 @@ async def test_shutdown_ends_every_call_and_switch_with_an_error():
     assert not await none_left(busy.procs, STOPPED_WITHIN_S)
     assert not {"pending", "answered asleep"} & set(outcomes), outcomes
     assert all(o not in ("answered", "answered asleep") for o in outcomes[len(busy.calls):])
+    # the services were closed first: no replica respawning on the released procs
+    assert {r.state for svc in busy.services for r in svc.replicas} == {ReplicaState.STOPPED}
 
 
 async def test_a_released_groups_tenants_are_not_routable():

@@ -10,6 +10,7 @@ from colocate.arbiter.errors import (
     ArbiterError,
     ArbiterTimeoutError,
     ReleaseNotVerifiedError,
+    SwitchAbortedError,
     SwitchError,
     TenantLostError,
 )
@@ -18,6 +19,6 @@ from colocate.arbiter.tenant import TaggedTenant, Tenancy, TenantHandle, TenantI
 
 __all__ = [
     "ArbiterConfig", "ArbiterError", "ArbiterTimeoutError", "Budget", "Exclusive", "Policy",
-    "ReleaseNotVerifiedError", "SlotArbiter", "SwitchError", "TaggedTenant", "Tenancy",
-    "TenantHandle", "TenantInfo", "TenantLostError",
+    "ReleaseNotVerifiedError", "SlotArbiter", "SwitchAbortedError", "SwitchError",
+    "TaggedTenant", "Tenancy", "TenantHandle", "TenantInfo", "TenantLostError",
 ]

@@ -27,6 +27,10 @@ class TenantLostError(SwitchError):
         return type(self), (str(self), self.slot, self.tenants)
 
 
+class SwitchAbortedError(ArbiterError):
+    """The runtime shut down while a switch was under way (or before it began)."""
+
+
 class ArbiterTimeoutError(ArbiterError):
     """A request waited longer than its timeout for a slot, or a tenant call did not answer."""
 

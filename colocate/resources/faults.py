@@ -4,8 +4,9 @@ Monarch reports a failed mesh (a proc died, an actor crashed) to the client's un
 fault hook with the mesh's full name (`MeshFailure.mesh_name`: the spawn's name and an id
 Monarch adds). Each spawn records that full name with its own name (`track`), so a fault
 is mapped back to its spawn through that record, never by parsing the name; faults of
-meshes nobody tracks (probes, meshes already forgotten) are ignored. Listeners (services)
-hear of each spawn that failed, once.
+meshes nobody tracks (probes, meshes already forgotten) are ignored. An arbiter that finds
+a tenant's proc dead during a switch (`TenantLostError`) reports it here too (`lost`), often
+seconds before Monarch does. Listeners (services) hear of each spawn that failed, once.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ UNCLAIMED_KEPT = 64  # faults of meshes not tracked (yet), kept for a spawn stil
 
 
 class FaultListener(Protocol):
-    """`failed(name, why)` is called on Monarch's thread: record and schedule only."""
+    """`failed(name, why)` is called on Monarch's thread, or on the loop of a switch that
+    found the spawn's proc dead: record and schedule only."""
 
     failed: Callable[[str, str], None]
 
@@ -70,6 +72,13 @@ class Faults:
     def alive(self, name: str) -> bool:
         """Tracked here and not failed."""
         return name in self._names and name not in self._failed
+
+    def lost(self, names: tuple[str, ...] | list[str], why: str) -> None:
+        """Mark spawns failed that an arbiter found dead (their proc died), ahead of
+        Monarch's own report; names not tracked here are ignored."""
+        for name in names:
+            if name in self._names:
+                self._fail(name, why)
 
     def on_fault(self, failure: Any) -> None:
         """Monarch's unhandled-fault hook: a mesh failed. Its spawn is marked failed and the

@@ -23,13 +23,14 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import monarch.actor
 from monarch.actor import Actor
 
 from colocate.arbiter.actor import HostStatus, TenantActor
 from colocate.arbiter.core import ArbiterConfig
+from colocate.arbiter.errors import TenantLostError
 from colocate.arbiter.tenant import TenantInfo
 from colocate.monarch_compat import mesh_name
 from colocate.resources.faults import Faults
@@ -41,6 +42,7 @@ from colocate.resources.spawning import check_importable, check_started
 from colocate.resources.switching import Switchboard
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 async def _drained(tenants: set[str]) -> None:
@@ -55,17 +57,25 @@ def _not_failed(name: str, why: str) -> None:
     return None
 
 
+async def _closed(grace_s: float) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class Watcher:
     """What a client of the runtime (a service) hears, given to `rm.watch`:
     `drain(tenants)` before a switch that may put `tenants` to sleep (routing to them has
     stopped; return when their calls in flight are done); `changed()` after the view of who
     is awake changed or a switch ended (any thread); `failed(name, why)` when a spawn's
-    mesh failed (on Monarch's thread: record and schedule only)."""
+    mesh failed or an arbiter found its proc dead (on Monarch's thread, or the loop's:
+    record and schedule only); `close(grace_s)` when the runtime shuts down (take no new
+    calls, end the waiting ones, give those in flight `grace_s` to finish, then end them
+    with an error; return when every call has ended)."""
 
     drain: Callable[[set[str]], Awaitable[None]] = _drained
     changed: Callable[[], None] = _unchanged
     failed: Callable[[str, str], None] = _not_failed
+    close: Callable[[float], Awaitable[None]] = _closed
 
 
 class ResourceManager:
@@ -77,6 +87,7 @@ class ResourceManager:
         self.groups = Groups(job.mesh, Inventory(job.num_hosts, gpus_per_host), virtual)
         self.switchboard = Switchboard(arbiter_config)
         self.faults = Faults()
+        self.watchers: list[Watcher] = []
         self._tenant_actors: dict[str, Any] = {}  # name -> its actor mesh, for usage()
 
     @property
@@ -88,13 +99,14 @@ class ResourceManager:
         return self.groups.inventory.gpus_per_host
 
     def watch(self, watcher: Watcher) -> None:
-        """Tell `watcher` of switches and faults from now on."""
+        """Tell `watcher` of switches, faults and the shutdown from now on."""
+        self.watchers.append(watcher)
         self.switchboard.watchers.append(watcher)
         self.faults.listeners.append(watcher)
 
     def unwatch(self, watcher: Watcher) -> None:
         """Stop telling `watcher` (a watcher not watching is left as it is)."""
-        for watchers in (self.switchboard.watchers, self.faults.listeners):
+        for watchers in (self.watchers, self.switchboard.watchers, self.faults.listeners):
             if watcher in watchers:
                 watchers.remove(watcher)
 
@@ -205,18 +217,27 @@ class ResourceManager:
         is left as it is without a call."""
         if self.switchboard.is_tenant(name) and self.routable(name):
             return
-        await self.switchboard.wake(name, stages)
+        await self._noting_losses(self.switchboard.wake(name, stages))
 
     async def sleep(self, name: str) -> None:
         """Put `name` to sleep on all its slots, verified."""
-        await self.switchboard.sleep(name)
+        await self._noting_losses(self.switchboard.sleep(name))
 
     async def handoff(self, source: str, target: str, keep: list[str] | None = None,
                       first: list[str] | None = None) -> int:
         """Pass `source`'s weights to `target` on every slot they share, staged (see
         `SlotArbiter.handoff`); returns the bytes copied on all slots. Afterwards `target`
         is awake and `source` asleep there."""
-        return await self.switchboard.handoff(source, target, keep, first)
+        return await self._noting_losses(self.switchboard.handoff(source, target, keep, first))
+
+    async def _noting_losses(self, switch: Awaitable[T]) -> T:
+        """Await a switch; the tenants an arbiter found lost on the way (their proc died)
+        count as failed at once, and the watchers hear of it, before the error goes on."""
+        try:
+            return await switch
+        except TenantLostError as err:
+            self.faults.lost(err.tenants, str(err))
+            raise
 
     def routable(self, name: str) -> bool:
         """Alive and, for a tenant, fully awake on all its slots with no switch in flight
@@ -271,7 +292,13 @@ class ResourceManager:
             self.faults.forget(name)
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
-        """Stop every group, the arbiters and the hosts: gracefully, then by force."""
+        """End what is under way, then stop every group, the arbiters and the hosts.
+
+        Switches under way end with `SwitchAbortedError`; the watchers (services) are
+        closed: calls waiting for a replica end at once, calls in flight get `grace_s` to
+        finish, then end with an error. Procs are stopped gracefully, then by force."""
+        self.switchboard.abort()
+        await asyncio.gather(*(watcher.close(grace_s) for watcher in list(self.watchers)))
         for group in list(self.groups.groups):
             await self.release(group, grace_s)
         await self.groups.stop_replacements(grace_s)

@@ -15,9 +15,10 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from colocate.abortable import Abortable
 from colocate.arbiter.actor import Arbiter, HostStatus, remote_errors
 from colocate.arbiter.core import ArbiterConfig
-from colocate.arbiter.errors import ArbiterError
+from colocate.arbiter.errors import ArbiterError, SwitchAbortedError
 from colocate.resources.groups import Allocation
 from colocate.resources.procs import SlotProcs, select, stop_procs
 
@@ -42,6 +43,7 @@ class Switchboard:
         self.host_status: dict[int, HostStatus] = {}  # the arbiters' answers, last view
         self.watchers: list[SwitchWatcher] = []
         self._switching: Counter[str] = Counter()
+        self._under_way = Abortable()  # the switches: a shutdown ends them
         self._procs: SlotProcs | None = None
         self._arbiters: Any = None
 
@@ -52,6 +54,13 @@ class Switchboard:
         self._arbiters = procs.spawn("arbiter", Arbiter, list(range(slots_per_host)),
                                      self.config)
         await self._arbiters.status.call()
+
+    def abort(self) -> None:
+        """End every switch under way, and every later one, with `SwitchAbortedError` (the
+        runtime is shutting down: its arbiters will not answer)."""
+        self._under_way.abort(lambda: SwitchAbortedError(
+            "the runtime was shut down before this switch ended; who is awake is not known. "
+            "Start a new runtime with `colocate.init(...)` to switch again"))
 
     async def stop(self, grace_s: float) -> None:
         """Stop the arbiters' procs."""
@@ -177,19 +186,24 @@ class Switchboard:
         not when it is awaited, so making them before the drain would race it."""
         self._switching.update(touched)
         try:
-            await asyncio.gather(*(watcher.drain(touched) for watcher in list(self.watchers)))
-            pending = calls()
-            try:
-                async with remote_errors():
-                    answers = await asyncio.gather(*pending.values())
-            except BaseException:
-                await self.refresh()  # before routing resumes: the old view is stale now
-                raise
-            self.host_status.update(zip(pending, answers, strict=True))
-            self._update_awake()
+            await self._under_way.run(self._drain_then_call(touched, calls))
         finally:
             self._switching.subtract(touched)
             self._changed()
+
+    async def _drain_then_call(self, touched: set[str],
+                               calls: Callable[[], dict[int, Awaitable[HostStatus]]]) -> None:
+        await asyncio.gather(*(watcher.drain(touched) for watcher in list(self.watchers)))
+        pending = calls()
+        try:
+            async with remote_errors():
+                answers = await asyncio.gather(*pending.values())
+        except BaseException:
+            if not self._under_way.aborted:
+                await self.refresh()  # before routing resumes: the old view is stale now
+            raise
+        self.host_status.update(zip(pending, answers, strict=True))
+        self._update_awake()
 
     def awake_now(self, name: str) -> bool:
         """Fully awake on all its slots in the view, with no switch in flight that may put
