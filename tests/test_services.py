@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from colocate import phase
+from colocate.arbiter import TenantLostError
 from colocate.resources.groups import Allocation
 from colocate.resources.manager import Watcher
 from colocate.testing import MemoryTenant, start_runtime
@@ -205,6 +206,30 @@ async def test_a_killed_replica_loses_no_request_and_comes_back():
         answers = await asyncio.gather(*(generator.work.route(i) for i in range(10)))
         assert answers == list(range(10))
         assert (await victim.actors.counts.call_one())["awake"] > 0  # it serves again
+
+
+async def test_a_proc_found_dead_in_a_switch_fails_its_replicas_at_once():
+    """A killed proc shared by a trainer rank and generator replica 0: the switch that finds
+    it dead marks both failed at once (the arbiter's report, not Monarch's, which comes
+    seconds later), and `phase(generator)` still wakes replica 1 before it raises."""
+    async with start_runtime(gpus_per_host=2) as rm:
+        generator = await spawn_service(
+            ServiceConfig(num_replicas=2, procs_per_host=1, resource_group="rl",
+                          respawn=False), MemoryTenant, 8, name="generator")
+        trainer = await spawn_service(
+            ServiceConfig(procs_per_host=2, resource_group="rl", respawn=False),
+            MemoryTenant, 8, name="trainer")
+        await rm.wake(trainer.tenant_names()[0])
+        os.kill((await generator.replicas[0].actors.memory.call_one())["pid"], signal.SIGKILL)
+        with pytest.raises(TenantLostError, match="lost on slot 0") as lost:
+            await phase(generator).__aenter__()
+        assert set(lost.value.tenants) == {"generator_r0", "trainer_r0"}
+        await asyncio.sleep(0.01)  # the services hear of it on their loop
+        for replica in (generator.replicas[0], trainer.replicas[0]):
+            assert replica.state is ReplicaState.FAILED
+            assert "lost on slot 0" in replica.failure  # the arbiter's word came first
+        assert rm.routable("generator_r1")
+        assert await generator.work.route(7) == 7
 
 
 async def back(replica: Replica, generation: int = 1) -> None:
