@@ -383,3 +383,22 @@ async def test_a_tenant_whose_proc_dies_is_lost_at_once_not_after_the_call_timeo
     await arbiter.unregister("a")  # forgotten, as rm.remove does
     assert arbiter.status() == {0: {"b": ["weights"]}}
     await proc.wait()
+
+
+async def test_tenants_lost_on_two_slots_are_all_named():
+    """One switch over two slots whose tenants' procs both die: one TenantLostError that
+    names every lost tenant (the resource manager marks them all failed from it)."""
+    procs = [await asyncio.create_subprocess_exec("sleep", "60") for _ in range(2)]
+    arbiter = SlotArbiter([0, 1], ArbiterConfig(call_timeout_s=60))
+    for slot, (name, proc) in enumerate(zip(("a0", "a1"), procs, strict=True)):
+        await arbiter.register(slot, ProcTenantHandle(name, proc.pid, ("weights",)))
+        await arbiter.register(slot, ProcTenantHandle("b", os.getpid(), ()))
+    switch = asyncio.create_task(arbiter.wake("b"))  # a0's and a1's sleeps never answer
+    await asyncio.sleep(0.2)
+    for proc in procs:
+        proc.kill()
+    with pytest.raises(TenantLostError, match="2 of 2 slots failed: .*a0 lost.*a1 lost"):
+        await switch
+    assert sorted(switch.exception().tenants) == ["a0", "a1"]
+    for proc in procs:
+        await proc.wait()

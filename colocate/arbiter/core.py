@@ -343,7 +343,7 @@ class SlotArbiter:
         async with self._hold(chosen):
             results = await asyncio.gather(
                 *(self._wake_on(slot, name, stages) for slot in chosen), return_exceptions=True)
-        self._raise_first(results, chosen)
+        self._raise_errors(results, chosen)
 
     async def sleep(self, name: str, slots: Iterable[int] | None = None) -> None:
         """Put `name` to sleep on its slots (all, or `slots`), verified by measurement."""
@@ -351,15 +351,20 @@ class SlotArbiter:
         async with self._hold(chosen):
             results = await asyncio.gather(
                 *(self._sleep_verified(slot, name) for slot in chosen), return_exceptions=True)
-        self._raise_first(results, chosen)
+        self._raise_errors(results, chosen)
 
-    def _raise_first(self, results: list, slots: list[Slot]) -> None:
+    def _raise_errors(self, results: list, slots: list[Slot]) -> None:
         errors = [r for r in results if isinstance(r, BaseException)]
         if len(errors) == 1:
             raise errors[0]
-        if errors:
-            raise SwitchError(f"{len(errors)} of {len(slots)} slots failed: "
-                              + " | ".join(str(e) for e in errors)) from errors[0]
+        if not errors:
+            return
+        message = f"{len(errors)} of {len(slots)} slots failed: " + " | ".join(map(str, errors))
+        lost = [e for e in errors if isinstance(e, TenantLostError)]
+        if lost:  # every lost tenant is named, so the caller can mark them all failed
+            raise TenantLostError(message, lost[0].slot, tuple(
+                dict.fromkeys(name for e in lost for name in e.tenants))) from errors[0]
+        raise SwitchError(message) from errors[0]
 
     async def _wake_on(self, slot: Slot, name: str, stages: Sequence[str] | None) -> None:
         if name in slot.lost:
@@ -476,7 +481,7 @@ class SlotArbiter:
             results = await asyncio.gather(
                 *(self._handoff_on(slot, source, target, keep, first) for slot in chosen),
                 return_exceptions=True)
-        self._raise_first(results, chosen)
+        self._raise_errors(results, chosen)
         return sum(results)
 
     async def _handoff_on(self, slot: Slot, source: str, target: str, keep: Sequence[str],
