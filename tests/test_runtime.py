@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import random
 
+import psutil
 import pytest
 from monarch.actor import ActorError
 
 from colocate.arbiter import SwitchError
-from colocate.resources.manager import Watcher
-from colocate.resources.packing import ResourceError, ResourceRequest
+from colocate.resources.manager import Watcher, init
+from colocate.resources.packing import ResourceError, ResourceRequest, ResourceValueError
 from colocate.resources.procs import ProcProbe
 from colocate.testing import FailingSleepTenant, MemoryTenant, start_runtime
 
@@ -176,6 +177,14 @@ async def test_phase_wakes_for_its_block_in_both_forms(colocate_runtime):
         assert_one_awake(await rm.status(), "a")
     with pytest.raises(TypeError, match="tenant names"):
         phase(42)
+
+
+@pytest.mark.parametrize("gpus_per_host", [0, -1, "2", 1.5])
+async def test_init_refuses_a_bad_slot_count_before_any_host_starts(gpus_per_host):
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ResourceValueError, match=rf"init: gpus_per_host={gpus_per_host!r}"):
+        await init("processes", hosts=2, gpus_per_host=gpus_per_host)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
 
 
 async def test_phase_without_a_runtime_says_how_to_start_one():

@@ -32,12 +32,18 @@ from colocate.arbiter.actor import HostStatus, TenantActor
 from colocate.arbiter.core import ArbiterConfig
 from colocate.arbiter.errors import TenantLostError
 from colocate.arbiter.tenant import TenantInfo
+from colocate.checks import check_int
 from colocate.monarch_compat import mesh_name
 from colocate.resources.faults import Faults
 from colocate.resources.groups import Allocation, Group, Groups
 from colocate.resources.hosts import HostJob, start_hosts
 from colocate.resources.hosts import gpus_per_host as detect_gpus
-from colocate.resources.packing import Inventory, ResourceError, ResourceRequest
+from colocate.resources.packing import (
+    Inventory,
+    ResourceError,
+    ResourceRequest,
+    ResourceValueError,
+)
 from colocate.resources.spawning import check_importable, check_started
 from colocate.resources.switching import Switchboard
 
@@ -332,13 +338,19 @@ async def init(scheduler: Any = "local", hosts: int = 1, gpus_per_host: int | No
             raise ResourceError("no GPU found on this host: pass gpus_per_host=N to run with N "
                                 "virtual GPU slots (CPU procs)")
         gpus_per_host = found
+    problem = (check_int("gpus_per_host", gpus_per_host, 1)
+               or check_int("hosts", hosts, 1, optional=True))
+    if problem:  # checked before any host starts, so a bad value leaves nothing running
+        raise ResourceValueError(f"init: {problem}")
     if found and gpus_per_host > found:
         raise ResourceError(f"gpus_per_host={gpus_per_host}, but this host has {found} GPUs")
+    if arbiter is not None and not isinstance(arbiter, ArbiterConfig):
+        raise TypeError(f"init(arbiter=...) takes an ArbiterConfig, not {arbiter!r}")
     job = await asyncio.to_thread(start_hosts, scheduler, hosts, **options)
-    rm = ResourceManager(job, gpus_per_host, virtual=found == 0,
-                         arbiter_config=arbiter or ArbiterConfig())
-    monarch.actor.unhandled_fault_hook = rm.faults.on_fault
     try:
+        rm = ResourceManager(job, gpus_per_host, virtual=found == 0,
+                             arbiter_config=arbiter or ArbiterConfig())
+        monarch.actor.unhandled_fault_hook = rm.faults.on_fault
         await rm.switchboard.start(job.mesh, gpus_per_host)
     except BaseException:
         job.stop()
