@@ -48,7 +48,7 @@ from typing import Any
 from monarch.actor import Actor, endpoint
 
 from colocate.resources.groups import Allocation
-from colocate.resources.procs import select
+from colocate.resources.procs import rank_of
 
 _names = itertools.count()
 
@@ -150,7 +150,7 @@ async def setup_distributed(procs: Allocation | Any, hosts: int | None = None,
     world = hosts * procs_per_host
 
     def proc(actors: Any, rank: int) -> Any:
-        return select(actors, hosts=rank // procs_per_host, gpus=rank % procs_per_host)
+        return rank_of(actors, rank, procs_per_host)
 
     actors = procs.spawn(f"dist_env{next(_names)}", DistEnv)
     try:

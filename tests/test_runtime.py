@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 
 import psutil
 import pytest
@@ -228,6 +230,10 @@ async def test_usage_gives_each_tenants_bytes_per_slot():
         assert len(pids) == 2  # one proc per slot, each answering for its own slot
         assert await rm.status() == {0: {s: {"a": [], "b": ["weights", "cache"]}
                                          for s in (0, 1)}}  # status keeps its shape
+        os.kill(usage[0][0]["a"].pid, signal.SIGKILL)  # slot 0's proc dies
+        usage = await rm.usage()
+        assert usage[0][0] == {"a": None, "b": None}  # the other slot still answers
+        assert usage[0][1]["b"].resident_bytes == 2 * 8 * MiB
 
 
 def test_help_shows_a_tenants_endpoints_with_their_docstrings():

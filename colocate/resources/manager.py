@@ -44,6 +44,7 @@ from colocate.resources.packing import (
     ResourceRequest,
     ResourceValueError,
 )
+from colocate.resources.procs import rank_of
 from colocate.resources.spawning import check_importable, check_started
 from colocate.resources.switching import Switchboard
 
@@ -94,7 +95,8 @@ class ResourceManager:
         self.switchboard = Switchboard(arbiter_config)
         self.faults = Faults()
         self.watchers: list[Watcher] = []
-        self._tenant_actors: dict[str, Any] = {}  # name -> its actor mesh, for usage()
+        # name -> its actor mesh and procs per host, for usage()
+        self._tenant_actors: dict[str, tuple[Any, int]] = {}
 
     @property
     def num_hosts(self) -> int:
@@ -178,7 +180,7 @@ class ResourceManager:
             self.faults.track(name, await mesh_name(actors))
             if tenant:
                 await self.switchboard.register(name, actors, allocation)
-                self._tenant_actors[name] = actors
+                self._tenant_actors[name] = (actors, allocation.procs_per_host)
         except BaseException:
             await self._undo_spawn(name, actors, allocation)
             raise
@@ -264,27 +266,27 @@ class ResourceManager:
         """host -> slot -> tenant -> awake stages ([] asleep, None unknown)."""
         return await self.switchboard.status()
 
-    async def usage(self) -> dict[int, dict[int, dict[str, TenantInfo | None]]]:
+    async def usage(self, timeout_s: float = 10.0
+                    ) -> dict[int, dict[int, dict[str, TenantInfo | None]]]:
         """host -> slot -> tenant -> its `TenantInfo` now: `resident_bytes` (held now),
         `tagged_bytes` (held when fully awake), `awake_stages`, pid, device. Each tenant
-        answers for itself, from here; one that failed, or does not answer, is None."""
-        names = [n for n in self._tenant_actors if self.switchboard.is_tenant(n)]
+        answers for itself on each of its procs, from here; a proc that died, or does not
+        answer within `timeout_s`, reads None (the tenant's other procs still answer)."""
 
-        async def ask(name: str) -> list[TenantInfo | None]:
-            unknown: list[TenantInfo | None] = [None] * len(self.slots_of(name))
-            if self.faults.has_failed(name):
-                return unknown
+        async def ask(proc: Any) -> TenantInfo | None:
             try:
-                found = await self._tenant_actors[name].describe.call()
+                return await asyncio.wait_for(proc.describe.call_one(), timeout_s)
             except Exception:
-                return unknown
-            return [info for _, info in found.items()]  # mesh order: the allocation's slots
+                return None
 
-        answers = await asyncio.gather(*(ask(name) for name in names))
+        asked = [(name, host, slot, ask(rank_of(actors, rank, per_host)))
+                 for name, (actors, per_host) in self._tenant_actors.items()
+                 if self.switchboard.is_tenant(name)
+                 for rank, (host, slot) in enumerate(self.slots_of(name))]
+        answers = await asyncio.gather(*(question for *_, question in asked))
         usage: dict[int, dict[int, dict[str, TenantInfo | None]]] = {}
-        for name, infos in zip(names, answers, strict=True):
-            for (host, slot), info in zip(self.slots_of(name), infos, strict=True):
-                usage.setdefault(host, {}).setdefault(slot, {})[name] = info
+        for (name, host, slot, _), info in zip(asked, answers, strict=True):
+            usage.setdefault(host, {}).setdefault(slot, {})[name] = info
         return usage
 
     # -- teardown --------------------------------------------------------------------

@@ -35,6 +35,11 @@ def select(mesh: Any, **ranges: int | slice) -> Any:
     return mesh.slice(**present) if present else mesh
 
 
+def rank_of(mesh: Any, rank: int, procs_per_host: int) -> Any:
+    """The one-proc slice of `mesh` (dims hosts x gpus) at `rank` in mesh order."""
+    return select(mesh, hosts=rank // procs_per_host, gpus=rank % procs_per_host)
+
+
 def _slot_env(slot: int, virtual: bool) -> dict[str, str]:
     """A slot proc's environment: its slot, and on a real GPU the slot to resolve to a GPU
     UUID when the proc starts (`hosts.run_on_slot_gpu`), plus torch_memory_saver's preload

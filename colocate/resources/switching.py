@@ -20,7 +20,7 @@ from colocate.arbiter.actor import Arbiter, HostStatus, remote_errors
 from colocate.arbiter.core import ArbiterConfig
 from colocate.arbiter.errors import ArbiterError, SwitchAbortedError
 from colocate.resources.groups import Allocation
-from colocate.resources.procs import SlotProcs, select, stop_procs
+from colocate.resources.procs import SlotProcs, rank_of, select, stop_procs
 
 
 class SwitchWatcher(Protocol):
@@ -81,7 +81,7 @@ class Switchboard:
             async with remote_errors():
                 infos = await asyncio.gather(*(
                     self._arbiter(host).register.call_one(
-                        slot, name, select(actors, hosts=i // per_host, gpus=i % per_host))
+                        slot, name, rank_of(actors, i, per_host))
                     for i, (host, slot) in enumerate(allocation.slots)))
         except BaseException:  # registered nowhere, or everywhere it was undone
             await asyncio.gather(*(self._arbiter(host).unregister.call_one(name, [slot])
