@@ -7,6 +7,7 @@
 
 from services.config import ServiceConfig, ServiceConfigError
 from services.errors import (
+    ReplicaLostError,
     ServiceAsleepError,
     ServiceClosedError,
     ServiceError,
@@ -17,6 +18,7 @@ from services.spawn import spawn_service
 from services.weight_sync import SyncReport, sync_weights
 
 __all__ = [
-    "Service", "ServiceAsleepError", "ServiceClosedError", "ServiceConfig", "ServiceConfigError",
-    "ServiceError", "ServiceUnavailableError", "SyncReport", "spawn_service", "sync_weights",
+    "ReplicaLostError", "Service", "ServiceAsleepError", "ServiceClosedError", "ServiceConfig",
+    "ServiceConfigError", "ServiceError", "ServiceUnavailableError", "SyncReport",
+    "spawn_service", "sync_weights",
 ]

@@ -15,3 +15,9 @@ class ServiceUnavailableError(ServiceError):
 
 class ServiceClosedError(ServiceError):
     """The service was shut down; it takes no new requests."""
+
+
+class ReplicaLostError(ServiceError):
+    """The replica failed while the call was in flight (its proc died, or its actors
+    failed): the call's result is lost. A routed call is retried on another replica; a
+    fanout raises it to its caller."""

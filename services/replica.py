@@ -10,9 +10,11 @@ A replica's state is one `ReplicaState`; `move` checks each transition:
     RECOVERING -> FAILED                    the respawn failed
     FAILED -> STOPPED                       removed while failed
 
-Only a HEALTHY replica takes calls. Its tenant name (the arbiter's key, the mesh's name)
-is made from its fields, the service's name, its index and its generation (how many
-times it was respawned), and never read back.
+Only a HEALTHY replica takes calls. When it fails, its calls in flight end at once with
+`ReplicaLostError` (the service retries them elsewhere) instead of waiting for Monarch to
+give up on a dead proc; its next generation starts with a clean slate. Its tenant name
+(the arbiter's key, the mesh's name) is made from its fields, the service's name, its
+index and its generation (how many times it was respawned), and never read back.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from colocate.abortable import Abortable
 from colocate.resources.groups import Allocation
+from services.errors import ReplicaLostError
 from services.waiting import Changes
 
 
@@ -71,6 +75,7 @@ class Replica:
     served: int = 0
     busy_s: float = 0.0
     load: float = 0.0  # busy fraction over the autoscaler's last interval
+    calls: Abortable = field(default_factory=Abortable)  # this generation's calls in flight
     _since: float = field(default_factory=time.monotonic)
 
     @property
@@ -95,6 +100,12 @@ class Replica:
         self.state = state
         if failure is not None or state is ReplicaState.HEALTHY:
             self.failure = failure
+        if state is ReplicaState.FAILED:
+            self.calls.abort(lambda: ReplicaLostError(
+                f"replica {self.index} of service {self.service!r} failed while this call was "
+                f"in flight: {self.failure}"))
+        elif state is ReplicaState.HEALTHY and self.calls.aborted:
+            self.calls = Abortable()  # a new generation
         self.changes.notify()
 
     async def call(self, endpoint: str, args: tuple, kwargs: dict) -> Any:
@@ -104,8 +115,8 @@ class Replica:
         start = time.monotonic()
         try:
             if self.procs == 1:
-                return await method.call_one(*args, **kwargs)
-            results = await method.call(*args, **kwargs)
+                return await self.calls.run(method.call_one(*args, **kwargs))
+            results = await self.calls.run(method.call(*args, **kwargs))
             return next(iter(results.items()))[1]
         finally:
             self.in_flight -= 1

@@ -34,7 +34,6 @@ from typing import Any
 
 from monarch.actor import ActorError
 
-from colocate.abortable import Abortable
 from colocate.memory import TagPausedError
 from colocate.monarch_compat import endpoint_names
 from colocate.resources.groups import Allocation
@@ -83,7 +82,6 @@ class Service:
         self._changes = Changes()  # switches, finished calls, replica states, closing
         self.on_respawn: list[Callable[[Replica], Awaitable[None]]] = []
         self._tasks: set[asyncio.Task] = set()  # respawns under way
-        self._calls = Abortable()  # calls in the replicas: a closing service ends them
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()  # the client's Monarch context
         self._watcher = Watcher(drain=self._drain, changed=self._changes.notify,
@@ -190,7 +188,7 @@ class Service:
         while True:
             replica = await self._pick(session, failed)
             try:
-                return await self._calls.run(replica.call(endpoint, args, kwargs))
+                return await replica.call(endpoint, args, kwargs)
             except ServiceClosedError:
                 raise
             except ActorError as err:
@@ -215,8 +213,7 @@ class Service:
         """Every awake, healthy replica; when none is, the when_asleep policy first."""
         picked = None if self._routable(set()) else await self._pick(None, set())
         replicas = self._routable(set()) or [picked]
-        return list(await asyncio.gather(*(self._calls.run(r.call(endpoint, args, kwargs))
-                                           for r in replicas)))
+        return list(await asyncio.gather(*(r.call(endpoint, args, kwargs) for r in replicas)))
 
     def lose(self, replica: Replica, err: BaseException) -> bool:
         """For callers that reach a replica's actors directly: True when `err` says the
@@ -356,9 +353,10 @@ class Service:
         if not await self._drained({r.tenant for r in self.replicas}, grace_s):
             logger.warning("service %r: calls still in flight after %s s; ending them",
                            self.name, grace_s)
-        self._calls.abort(lambda: ServiceClosedError(
-            f"service {self.name!r} was shut down before this call ended; its result is "
-            "lost (shutdown waits grace_s for calls in flight)"))
+        for replica in self.replicas:
+            replica.calls.abort(lambda: ServiceClosedError(
+                f"service {self.name!r} was shut down before this call ended; its result is "
+                "lost (shutdown waits grace_s for calls in flight)"))
 
     async def _close_with_runtime(self, grace_s: float) -> None:
         """The runtime is shutting down (it stops the procs next): close, cancelling
