@@ -232,6 +232,35 @@ async def test_a_proc_found_dead_in_a_switch_fails_its_replicas_at_once():
         assert await generator.work.route(7) == 7
 
 
+async def test_a_call_in_a_dead_proc_does_not_hold_a_switch():
+    """A call running in a proc that dies: the switch that drains its replica finds the proc
+    dead (the arbiters' liveness check while the drain waits), the replica fails at once,
+    and the call is retried on the other replica instead of waiting for Monarch."""
+    async with start_runtime(gpus_per_host=2):
+        generator = await spawn_service(
+            ServiceConfig(num_replicas=2, procs_per_host=1, resource_group="rl",
+                          respawn=False, router="round_robin"), MemoryTenant, 8,
+            name="generator")
+        trainer = await spawn_service(
+            ServiceConfig(procs_per_host=2, resource_group="rl", respawn=False),
+            MemoryTenant, 8, name="trainer")
+        victim = generator.replicas[0]
+        async with phase(generator):
+            pid = (await victim.actors.memory.call_one())["pid"]
+            call = asyncio.create_task(generator.work.route(7, 3.0))
+            while victim.in_flight == 0:
+                await asyncio.sleep(0.001)
+        await asyncio.sleep(0.2)  # running in the victim's proc now
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(TenantLostError):
+            async with phase(trainer):  # drains the victim first
+                pass
+        assert victim.state is ReplicaState.FAILED
+        assert "liveness check" in victim.failure  # the arbiter's word, before Monarch's
+        async with phase(generator):
+            assert await asyncio.wait_for(call, 60) == 7  # retried on replica 1
+
+
 async def back(replica: Replica, generation: int = 1) -> None:
     """Wait (at most 60 s) until `replica` is healthy again in its `generation`."""
     for _ in range(600):  # the replica comes back on a new proc for the same slot

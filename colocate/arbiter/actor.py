@@ -240,3 +240,7 @@ class Arbiter(Actor):
     @concurrent_endpoint
     async def status(self) -> HostStatus:
         return self.core.status()
+
+    @concurrent_endpoint
+    async def find_lost(self, names: list[str]) -> dict[str, str]:
+        return self.core.find_lost(names)

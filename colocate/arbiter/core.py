@@ -545,6 +545,22 @@ class SlotArbiter:
                 found.setdefault(name, []).append(slot.index)
         return found
 
+    def find_lost(self, names: Iterable[str]) -> dict[str, str]:
+        """Check now that the procs of `names` run; those that died are lost from here on.
+        Returns every lost tenant on the slots of `names`, with why."""
+        names = set(names)
+        found: dict[str, str] = {}
+        for slot in self.slots.values():
+            if not names.intersection(slot.tenants):
+                continue
+            for name in names.intersection(slot.tenants).difference(slot.lost):
+                pid = slot.infos[name].pid
+                if not _proc_alive(pid):
+                    self._lose(slot, pid, "a liveness check")
+            found.update({name: f"{name} lost on slot {slot.index}: {why}"
+                          for name, why in slot.lost.items()})
+        return found
+
     def status(self) -> dict[int, dict[str, list[str] | None]]:
         """Per slot: tenant -> its awake stages ([] asleep; None when unknown or lost)."""
         return {

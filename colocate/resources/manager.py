@@ -23,14 +23,13 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import monarch.actor
 from monarch.actor import Actor
 
 from colocate.arbiter.actor import HostStatus, TenantActor
 from colocate.arbiter.core import ArbiterConfig
-from colocate.arbiter.errors import TenantLostError
 from colocate.arbiter.tenant import TenantInfo
 from colocate.checks import check_int
 from colocate.monarch_compat import mesh_name
@@ -49,7 +48,6 @@ from colocate.resources.spawning import check_importable, check_started
 from colocate.resources.switching import Switchboard
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 async def _drained(tenants: set[str]) -> None:
@@ -92,8 +90,8 @@ class ResourceManager:
                  arbiter_config: ArbiterConfig) -> None:
         self.job = job
         self.groups = Groups(job.mesh, Inventory(job.num_hosts, gpus_per_host), virtual)
-        self.switchboard = Switchboard(arbiter_config)
         self.faults = Faults()
+        self.switchboard = Switchboard(arbiter_config, on_lost=self.faults.lost)
         self.watchers: list[Watcher] = []
         # name -> its actor mesh and procs per host, for usage()
         self._tenant_actors: dict[str, tuple[Any, int]] = {}
@@ -225,27 +223,18 @@ class ResourceManager:
         is left as it is without a call."""
         if self.switchboard.is_tenant(name) and self.routable(name):
             return
-        await self._noting_losses(self.switchboard.wake(name, stages))
+        await self.switchboard.wake(name, stages)
 
     async def sleep(self, name: str) -> None:
         """Put `name` to sleep on all its slots, verified."""
-        await self._noting_losses(self.switchboard.sleep(name))
+        await self.switchboard.sleep(name)
 
     async def handoff(self, source: str, target: str, keep: list[str] | None = None,
                       first: list[str] | None = None) -> int:
         """Pass `source`'s weights to `target` on every slot they share, staged (see
         `SlotArbiter.handoff`); returns the bytes copied on all slots. Afterwards `target`
         is awake and `source` asleep there."""
-        return await self._noting_losses(self.switchboard.handoff(source, target, keep, first))
-
-    async def _noting_losses(self, switch: Awaitable[T]) -> T:
-        """Await a switch; the tenants an arbiter found lost on the way (their proc died)
-        count as failed at once, and the watchers hear of it, before the error goes on."""
-        try:
-            return await switch
-        except TenantLostError as err:
-            self.faults.lost(err.tenants, str(err))
-            raise
+        return await self.switchboard.handoff(source, target, keep, first)
 
     def routable(self, name: str) -> bool:
         """Alive and, for a tenant, fully awake on all its slots with no switch in flight

@@ -5,7 +5,9 @@ Every switch (wake, sleep, handoff) goes through `Switchboard`: it marks the ten
 switch may put to sleep as switching (so `awake_now` is False for them), lets its watchers
 (services) drain their calls in flight, asks each host's arbiter in parallel, and keeps the
 hosts' answers as its view. A tenant `awake_now` in that view needs no wake: the resource
-manager skips the call. Watchers hear of each change of the view.
+manager skips the call. Watchers hear of each change of the view. Tenants an arbiter finds
+lost (their proc died) are reported to `on_lost` at once, from a switch's error or from
+the liveness checks made while a drain waits.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Any, Protocol
 from colocate.abortable import Abortable
 from colocate.arbiter.actor import Arbiter, HostStatus, remote_errors
 from colocate.arbiter.core import ArbiterConfig
-from colocate.arbiter.errors import ArbiterError, SwitchAbortedError
+from colocate.arbiter.errors import ArbiterError, SwitchAbortedError, TenantLostError
 from colocate.resources.groups import Allocation
 from colocate.resources.procs import SlotProcs, rank_of, select, stop_procs
+
+DRAIN_LIVENESS_S = 0.25  # while a drain waits: how often the drained tenants' procs are checked
 
 
 class SwitchWatcher(Protocol):
@@ -35,8 +39,10 @@ class SwitchWatcher(Protocol):
 class Switchboard:
     """The arbiters of a runtime's hosts, the tenants registered with them, and the view."""
 
-    def __init__(self, config: ArbiterConfig) -> None:
+    def __init__(self, config: ArbiterConfig,
+                 on_lost: Callable[[tuple[str, ...], str], None]) -> None:
         self.config = config
+        self.on_lost = on_lost  # told of tenants an arbiter found lost: names, why
         self.tenants: dict[str, list[tuple[int, int]]] = {}  # name -> (host, slot)
         self.stages: dict[str, tuple[str, ...]] = {}  # name -> its stages
         self.awake: dict[str, bool] = {}  # name -> fully awake on all its slots (last view)
@@ -193,17 +199,44 @@ class Switchboard:
 
     async def _drain_then_call(self, touched: set[str],
                                calls: Callable[[], dict[int, Awaitable[HostStatus]]]) -> None:
-        await asyncio.gather(*(watcher.drain(touched) for watcher in list(self.watchers)))
+        await self._drain(touched)
         pending = calls()
         try:
             async with remote_errors():
                 answers = await asyncio.gather(*pending.values())
-        except BaseException:
+        except BaseException as err:
+            if isinstance(err, TenantLostError):
+                self.on_lost(err.tenants, str(err))
             if not self._under_way.aborted:
                 await self.refresh()  # before routing resumes: the old view is stale now
             raise
         self.host_status.update(zip(pending, answers, strict=True))
         self._update_awake()
+
+    async def _drain(self, touched: set[str]) -> None:
+        """Let the watchers drain `touched`. A call in flight in a proc that died would hold
+        the drain until Monarch gives up on it (seconds to minutes), so while the drain
+        waits, the arbiters check every `DRAIN_LIVENESS_S` that those tenants' procs run;
+        the lost ones are reported (`on_lost`), and their services end those calls."""
+        drained = asyncio.ensure_future(
+            asyncio.gather(*(watcher.drain(touched) for watcher in list(self.watchers))))
+        try:
+            while not drained.done():
+                await asyncio.wait({drained}, timeout=DRAIN_LIVENESS_S)
+                if not drained.done():
+                    await self._find_lost(touched)
+            drained.result()
+        finally:
+            drained.cancel()
+
+    async def _find_lost(self, names: set[str]) -> None:
+        hosts = {host for name in names if name in self.tenants
+                 for host, _ in self.tenants[name]}
+        found = await asyncio.gather(*(self._arbiter(h).find_lost.call_one(sorted(names))
+                                       for h in hosts))
+        for lost in found:
+            for name, why in lost.items():
+                self.on_lost((name,), why)
 
     def awake_now(self, name: str) -> bool:
         """Fully awake on all its slots in the view, with no switch in flight that may put
