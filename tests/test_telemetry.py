@@ -4,6 +4,7 @@ import os
 import sys
 import threading
 import warnings
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -208,11 +209,12 @@ def test_empty_timeline_summarises_and_plots(tmp_path):
 
 
 def test_timeline_is_thread_safe():
-    line = Timeline()
+    line, ring = Timeline(max_events=None), Timeline(max_events=5000)
 
     def record_many(worker):
         for i in range(1000):
             line.record(event(tag=f"t{worker}", start=float(i)))
+            ring.record(event(tag=f"t{worker}", start=float(i)))
 
     threads = [threading.Thread(target=record_many, args=(w,)) for w in range(8)]
     for thread in threads:
@@ -221,6 +223,60 @@ def test_timeline_is_thread_safe():
         thread.join()
     assert len(line.events) == 8000
     assert all(row["pauses"] == 1000 for row in line.summary())
+    assert (len(ring.events), ring.dropped, ring.recorded) == (5000, 3000, 8000)
+
+
+def test_timeline_is_a_ring_of_the_newest_events_and_counts_the_dropped():
+    line = Timeline(max_events=5)
+    recorded = [event(start=float(i)) for i in range(12)]
+    for e in recorded:
+        line.record(e)
+    assert line.events == recorded[-5:]  # the bound holds, the newest are kept, in order
+    assert (line.max_events, line.dropped, line.recorded) == (5, 7, 12)
+    assert line.since(9) == recorded[9:] and line.since(12) == []
+    with pytest.raises(LookupError, match="dropped 1 of the events"):
+        line.since(6)  # event 6 is gone: a reader who last looked at 6 missed one
+    assert Timeline(recorded, max_events=5).events == recorded[-5:]
+    line.clear()
+    assert (line.events, line.dropped, line.recorded) == ([], 0, 0)
+    with pytest.raises(ValueError):
+        Timeline(max_events=0)
+
+
+def test_timeline_says_how_many_events_it_dropped(tmp_path):
+    from matplotlib.figure import Figure
+
+    line = Timeline(max_events=3)
+    for i in range(10):
+        line.record(event(start=float(i)))
+    path = tmp_path / "ring.json"
+    line.to_json(path)
+    again = Timeline.from_json(path)
+    assert (again.events, again.dropped, again.max_events) == (line.events, 7, 3)
+    old = Timeline.from_dict({"events": [asdict(e) for e in line.events]})  # an older file
+    assert (old.dropped, old.max_events) == (0, None)
+    titles = []
+    real_savefig = Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        titles.extend(ax.get_title() for ax in fig.axes)
+        real_savefig(fig, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Figure, "savefig", savefig)
+        line.plot(tmp_path / "ring.png")
+    assert titles == ["memory timeline: the last 3 events (7 older ones dropped)"]
+
+
+def test_the_process_wide_timeline_bound_comes_from_the_environment():
+    from colocate.telemetry.timeline import DEFAULT_MAX_EVENTS, MAX_EVENTS_ENV, max_events_from
+
+    assert timeline().max_events == DEFAULT_MAX_EVENTS == max_events_from({})
+    assert max_events_from({MAX_EVENTS_ENV: "100"}) == 100
+    assert max_events_from({MAX_EVENTS_ENV: "0"}) is None  # keep every event
+    for bad in ("-1", "many"):
+        with pytest.raises(ValueError, match=MAX_EVENTS_ENV):
+            max_events_from({MAX_EVENTS_ENV: bad})
 
 
 def test_process_wide_defaults():
