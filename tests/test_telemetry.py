@@ -353,6 +353,10 @@ def test_leak_tracker_rejects_bad_settings():
         LeakTracker(tolerance_bytes=-1)
     with pytest.raises(ValueError):
         LeakTracker(warmup=-1)
+    with pytest.raises(ValueError):
+        LeakTracker(drift_bytes_per_cycle=-1)
+    with pytest.raises(ValueError):
+        LeakTracker(span=0)
 
 
 def test_device_wide_readings_get_a_wider_tolerance():
@@ -367,3 +371,75 @@ def test_device_wide_readings_get_a_wider_tolerance():
             tracker.observe("gen", residual, min_tolerance_bytes=DEVICE_WIDE_TOLERANCE_BYTES)
     assert caught == []
     assert len(observe_all(LeakTracker(), "gen", residuals)) == 1  # per-process: a leak
+
+
+def like_the_default():
+    """A fresh tracker with the process-wide one's settings."""
+    default = leak_tracker()
+    return LeakTracker(tolerance_bytes=default.tolerance_bytes,
+                       tolerance_fraction=default.tolerance_fraction, window=default.window,
+                       warmup=default.warmup, drift_bytes_per_cycle=default.drift_bytes_per_cycle,
+                       span=default.span)
+
+
+def drifting(cycles, per_cycle, start=600 * MIB):
+    """Residuals of a proc at about 600 MiB that grows `per_cycle` bytes a cycle, with the
+    warm-up climb the RL loop's procs show (30 MiB over 5 cycles) and +-4 MiB of noise."""
+    noise = [0, 3, -4, 1, 4, -2, -3, 2]
+    warm = [start - 30 * MIB + 6 * MIB * i for i in range(5)]
+    return warm + [start + i * per_cycle + noise[i % len(noise)] * MIB for i in range(cycles)]
+
+
+def test_a_leak_of_a_mib_a_cycle_still_warns():
+    caught = observe_all(like_the_default(), "gen", drifting(60, MIB))
+    assert len(caught) == 1
+    assert "KiB a pause" in str(caught[0].message)
+
+
+def test_the_runtimes_steady_drift_does_not_warn():
+    # 12 KiB a cycle: what the RL loop's tenant proc grew with its timeline unbounded
+    # (bench/RESULTS.md, soak), above Monarch's own ~0.4 KiB a call at a few calls a cycle
+    assert observe_all(like_the_default(), "gen", drifting(10_000, 12 * 1024)) == []
+    from colocate.telemetry.leaks import DRIFT_BYTES_PER_CYCLE
+
+    below = DRIFT_BYTES_PER_CYCLE - 4 * 1024
+    assert observe_all(like_the_default(), "gen", drifting(3_000, below)) == []
+
+
+def test_growth_just_above_the_drift_is_caught_in_the_end():
+    from colocate.telemetry.leaks import DRIFT_BYTES_PER_CYCLE
+
+    tracker = like_the_default()
+    above = DRIFT_BYTES_PER_CYCLE + 16 * 1024  # 16 MiB of tolerance is gone after 1024 cycles
+    residuals = drifting(3_000, above)
+    assert observe_all(tracker, "gen", residuals[:500]) == []
+    assert len(observe_all(tracker, "gen", residuals[500:])) == 1
+
+
+def test_a_leak_that_starts_late_is_caught_as_soon_as_an_early_one():
+    tracker = like_the_default()
+    steady = drifting(20_000, 12 * 1024)
+    assert observe_all(tracker, "gen", steady) == []
+    last = steady[-1]
+    leaking = [last + (i + 1) * MIB for i in range(60)]
+    caught_at = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for cycle, residual in enumerate(leaking, 1):
+            tracker.observe("gen", residual)
+            if caught:
+                caught_at = cycle
+                break
+    # against the recent reference (16 MiB + 256 x 64 KiB): against the baseline, 20,000
+    # cycles of 52 KiB unused allowance would let it grow about 1 GiB first
+    assert len(caught) == 1 and caught_at <= 40
+    assert len(tracker.history("gen")) == tracker.span + 1  # the history is bounded too
+
+
+def test_a_one_off_step_late_in_a_long_run_does_not_warn():
+    # Monarch's per-call table doubles now and then: RSS steps up once by tens of MiB (25 MiB
+    # at 115,000 calls in bench/monarch_growth.py), then grows at its usual pace again
+    tracker = like_the_default()
+    steady = drifting(20_000, 12 * 1024)
+    stepped = steady[:15_000] + [r + 40 * MIB for r in steady[15_000:]]
+    assert observe_all(tracker, "gen", stepped) == []
