@@ -20,9 +20,9 @@ configured) for `--steps` steps or `--minutes` minutes, whichever comes first, a
   (at most `--max-switch-ratio`): other jobs' load moves the median, while a switch that
   costs more each step moves every percentile.
 
-Prints a table, writes `soak.json` and `rss.png` (RSS after each sleep, per proc and tag,
-over the steps) to `--out`, and the loop's own `metrics.json`, reward and memory plots. Exits
-1 when a check fails. Not run by pytest:
+Prints a table, writes `soak.json` (the figures, and the RSS after each sleep per proc, tag
+and step) and `rss.png` (that RSS over the steps) to `--out`, and the loop's own
+`metrics.json`, reward and memory plots. Exits 1 when a check fails. Not run by pytest:
 
     python -m bench.soak [--steps 2000] [--minutes 30] [--out runs/soak] [section.field=value ...]
 """
@@ -332,6 +332,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, 
                "checks": checks, "rss": rss_rows, "procs": proc_rows, "system": system,
                "warnings": caught, "switch": switch,
                "timelines": {p["pid"]: p["timeline"] for p in result["probes"]},
+               "rss_after_sleep": {key: entry["by_step"] for key, entry in series.items()},
                "load_average_end": os.getloadavg()}
     plot(series, rows, args.out / "rss.png")
     return figures, all(checks.values())
