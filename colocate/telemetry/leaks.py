@@ -13,11 +13,11 @@ MIB = 1 << 20
 
 # The steady growth per cycle (one pause of a tag) that is not counted as a leak: 64 KiB a
 # cycle. The runtime grows without any tenant leaking: Monarch 0.7.0 keeps about 0.4 KiB of
-# native memory per actor call in the proc that answers it (bench/monarch_growth.py), and
-# the RL loop's tenant proc drifted about 7.5 KiB a step, one pause of each tag a step,
-# besides its switch timeline (bench/RESULTS.md, bench/soak.py section). 64 KiB a cycle
-# allows about 8 times that, or about 160 Monarch calls a cycle; a tensor of 1 MiB a cycle
-# kept outside its tag is 16 times it. A proc that answers more calls than that between two
+# native memory per message a proc handles (bench/monarch_growth.py), and the RL loop's
+# tenant proc, which handles 16 messages a step and pauses each tag once a step, grew
+# 9.5 KiB a step over 2000 steps (bench/RESULTS.md, bench/soak.py section). 64 KiB a cycle
+# is about 7 times that, or about 160 messages a cycle; a tensor of 1 MiB a cycle kept
+# outside its tag is 16 times it. A proc that handles more messages than that between two
 # pauses of a tag needs a larger value.
 DRIFT_BYTES_PER_CYCLE = 64 * KIB
 
