@@ -99,14 +99,14 @@ class Probe(Actor):
     @endpoint
     def snapshot(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "time": time.time(),
-                "events": len(telemetry.timeline().events),
+                "events": telemetry.timeline().recorded,
                 "resident": {tag: memory.resident_bytes(tag) for tag in memory.tags()},
                 "modules": sorted(sys.modules)}
 
     @endpoint
     def events(self, since: int) -> list[tuple[str, str, int, float, float]]:
         return [(e.op, e.tag, e.nbytes, e.start, e.seconds)
-                for e in telemetry.timeline().events[since:]]
+                for e in telemetry.timeline().since(since)]
 
     @endpoint
     def baseline(self, modules: list[str]) -> dict[str, int]:

@@ -5,7 +5,8 @@ configured) for `--steps` steps or `--minutes` minutes, whichever comes first, a
 
 - RSS after each sleep, per proc and per tag: every pause a proc makes is in its switch
   timeline (`colocate.telemetry.timeline()`: the proc's RSS right after the pause). A `Probe`
-  actor on each proc of the loop's resource groups reads it at the end. Flat means: the
+  actor on each proc of the loop's resource groups reads what is new in it every
+  `POLL_STEPS` steps (the timeline is a ring of its last events). Flat means: the
   median of the last `--window` steps is within `--rss-slack-mib` of the median of the
   `--window` steps after the warm-up. Also whether `ResidualGrowthWarning` fired in a proc
   (the runtime's own leak tracker; the probe records every warning of that class).
@@ -19,9 +20,9 @@ configured) for `--steps` steps or `--minutes` minutes, whichever comes first, a
   (at most `--max-switch-ratio`): other jobs' load moves the median, while a switch that
   costs more each step moves every percentile.
 
-Prints a table, writes `soak.json` and `rss.png` (RSS after each sleep, per proc and tag,
-over the steps) to `--out`, and the loop's own `metrics.json`, reward and memory plots. Exits
-1 when a check fails. Not run by pytest:
+Prints a table, writes `soak.json` (the figures, and the RSS after each sleep per proc, tag
+and step) and `rss.png` (that RSS over the steps) to `--out`, and the loop's own
+`metrics.json`, reward and memory plots. Exits 1 when a check fails. Not run by pytest:
 
     python -m bench.soak [--steps 2000] [--minutes 30] [--out runs/soak] [section.field=value ...]
 """
@@ -50,6 +51,9 @@ from colocate import telemetry  # noqa: E402
 
 MIB = 1 << 20
 SHM = Path("/dev/shm")
+# Steps between two reads of the procs' timelines: 100 steps of the loop record 800 events,
+# well inside a timeline's default ring (colocate.telemetry.timeline.DEFAULT_MAX_EVENTS).
+POLL_STEPS = 100
 
 
 class Probe(Actor):
@@ -58,6 +62,7 @@ class Probe(Actor):
 
     def __init__(self) -> None:
         self.caught: list[str] = []
+        self.seen = telemetry.timeline().recorded  # events before the probe: start-up
         shown = warnings.showwarning
 
         def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
@@ -74,14 +79,23 @@ class Probe(Actor):
 
     @endpoint
     def pauses(self) -> dict[str, Any]:
-        """The pauses, the warnings caught, and what the proc's timeline holds (it keeps
-        every event: memory that grows with the steps, by design)."""
-        events = telemetry.timeline().events
+        """The pauses recorded since the last call (LookupError if the ring dropped some)."""
+        line = telemetry.timeline()
+        events = line.since(self.seen)
+        self.seen += len(events)
+        return {"pid": os.getpid(),
+                "pauses": [(e.tag, e.after_bytes, e.start) for e in events if e.op == "pause"]}
+
+    @endpoint
+    def summary(self) -> dict[str, Any]:
+        """The warnings caught, and what the proc's timeline holds and has dropped."""
+        line = telemetry.timeline()
+        events = line.events
         held = sum(sys.getsizeof(e) + sys.getsizeof(vars(e))
                    + sum(sys.getsizeof(v) for v in vars(e).values()) for e in events)
         return {"pid": os.getpid(), "warnings": list(self.caught),
-                "timeline": {"events": len(events), "bytes": held},
-                "pauses": [(e.tag, e.after_bytes, e.start) for e in events if e.op == "pause"]}
+                "timeline": {"events": len(events), "bytes": held, "dropped": line.dropped,
+                             "max_events": line.max_events}}
 
 
 def shm_entries() -> set[str]:
@@ -192,8 +206,15 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     try:
         groups = {r.allocation.group for svc in (loop.trainer, loop.generator)
                   for r in svc.replicas}
-        probes = [loop.rm.groups[g].procs.spawn("soak_probe", Probe) for g in sorted(groups)]
+        probes = [loop.rm.group(g).procs.spawn("soak_probe", Probe) for g in sorted(groups)]
         proc_pids = [pid for probe in probes for _, pid in (await probe.pid.call()).items()]
+        pauses: dict[int, list[tuple[str, int, float]]] = {pid: [] for pid in proc_pids}
+
+        async def collect() -> None:
+            for probe in probes:
+                for _, got in (await probe.pauses.call()).items():
+                    pauses[got["pid"]].extend(got["pauses"])
+
         start = None
         bar = tqdm(total=args.steps, desc="soak", unit="step")
         for index in range(args.steps):
@@ -205,6 +226,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             row = await loop.step(index)
             loop.record.step(row)
             rows.append(row)
+            if (index + 1) % POLL_STEPS == 0:
+                await collect()
             bar.update()
             bar.set_postfix({"switch_ms": f"{1e3 * row['switch_s']:.1f}",
                              "sync_ms": f"{1e3 * row['sync_s']:.1f}",
@@ -212,7 +235,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         bar.close()
         await asyncio.sleep(1.0)  # let the last step's threads and files settle
         end = snapshot()
-        found = [value for probe in probes for _, value in (await probe.pauses.call()).items()]
+        await collect()
+        found = [{**value, "pauses": pauses[value["pid"]]} for probe in probes
+                 for _, value in (await probe.summary.call()).items()]
     finally:
         await loop.stop()
     if start is None:
@@ -291,8 +316,10 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, 
           f"processes started after the warm-up: {system['new_procs'] or 'none'}")
     print(f"ResidualGrowthWarning: {caught or 'none'}")
     for probe in result["probes"]:
-        print(f"pid {probe['pid']}: its switch timeline holds {probe['timeline']['events']} "
-              f"events, about {probe['timeline']['bytes'] / MIB:.1f} MiB")
+        line = probe["timeline"]
+        print(f"pid {probe['pid']}: its switch timeline holds {line['events']} events "
+              f"(bound {line['max_events']}, {line['dropped']} dropped), about "
+              f"{line['bytes'] / MIB:.1f} MiB")
     print(f"\n| per step, ms | median, first {window} | last {window} | last / first | "
           f"10th percentile, first {window} | last {window} | last / first |\n"
           "|---|---:|---:|---:|---:|---:|---:|")
@@ -305,6 +332,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, 
                "checks": checks, "rss": rss_rows, "procs": proc_rows, "system": system,
                "warnings": caught, "switch": switch,
                "timelines": {p["pid"]: p["timeline"] for p in result["probes"]},
+               "rss_after_sleep": {key: entry["by_step"] for key, entry in series.items()},
                "load_average_end": os.getloadavg()}
     plot(series, rows, args.out / "rss.png")
     return figures, all(checks.values())

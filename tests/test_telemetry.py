@@ -4,6 +4,7 @@ import os
 import sys
 import threading
 import warnings
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -208,11 +209,12 @@ def test_empty_timeline_summarises_and_plots(tmp_path):
 
 
 def test_timeline_is_thread_safe():
-    line = Timeline()
+    line, ring = Timeline(max_events=None), Timeline(max_events=5000)
 
     def record_many(worker):
         for i in range(1000):
             line.record(event(tag=f"t{worker}", start=float(i)))
+            ring.record(event(tag=f"t{worker}", start=float(i)))
 
     threads = [threading.Thread(target=record_many, args=(w,)) for w in range(8)]
     for thread in threads:
@@ -221,6 +223,60 @@ def test_timeline_is_thread_safe():
         thread.join()
     assert len(line.events) == 8000
     assert all(row["pauses"] == 1000 for row in line.summary())
+    assert (len(ring.events), ring.dropped, ring.recorded) == (5000, 3000, 8000)
+
+
+def test_timeline_is_a_ring_of_the_newest_events_and_counts_the_dropped():
+    line = Timeline(max_events=5)
+    recorded = [event(start=float(i)) for i in range(12)]
+    for e in recorded:
+        line.record(e)
+    assert line.events == recorded[-5:]  # the bound holds, the newest are kept, in order
+    assert (line.max_events, line.dropped, line.recorded) == (5, 7, 12)
+    assert line.since(9) == recorded[9:] and line.since(12) == []
+    with pytest.raises(LookupError, match="dropped 1 of the events"):
+        line.since(6)  # event 6 is gone: a reader who last looked at 6 missed one
+    assert Timeline(recorded, max_events=5).events == recorded[-5:]
+    line.clear()
+    assert (line.events, line.dropped, line.recorded) == ([], 0, 0)
+    with pytest.raises(ValueError):
+        Timeline(max_events=0)
+
+
+def test_timeline_says_how_many_events_it_dropped(tmp_path):
+    from matplotlib.figure import Figure
+
+    line = Timeline(max_events=3)
+    for i in range(10):
+        line.record(event(start=float(i)))
+    path = tmp_path / "ring.json"
+    line.to_json(path)
+    again = Timeline.from_json(path)
+    assert (again.events, again.dropped, again.max_events) == (line.events, 7, 3)
+    old = Timeline.from_dict({"events": [asdict(e) for e in line.events]})  # an older file
+    assert (old.dropped, old.max_events) == (0, None)
+    titles = []
+    real_savefig = Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        titles.extend(ax.get_title() for ax in fig.axes)
+        real_savefig(fig, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Figure, "savefig", savefig)
+        line.plot(tmp_path / "ring.png")
+    assert titles == ["memory timeline: the last 3 events (7 older ones dropped)"]
+
+
+def test_the_process_wide_timeline_bound_comes_from_the_environment():
+    from colocate.telemetry.timeline import DEFAULT_MAX_EVENTS, MAX_EVENTS_ENV, max_events_from
+
+    assert timeline().max_events == DEFAULT_MAX_EVENTS == max_events_from({})
+    assert max_events_from({MAX_EVENTS_ENV: "100"}) == 100
+    assert max_events_from({MAX_EVENTS_ENV: "0"}) is None  # keep every event
+    for bad in ("-1", "many"):
+        with pytest.raises(ValueError, match=MAX_EVENTS_ENV):
+            max_events_from({MAX_EVENTS_ENV: bad})
 
 
 def test_process_wide_defaults():
@@ -297,6 +353,10 @@ def test_leak_tracker_rejects_bad_settings():
         LeakTracker(tolerance_bytes=-1)
     with pytest.raises(ValueError):
         LeakTracker(warmup=-1)
+    with pytest.raises(ValueError):
+        LeakTracker(drift_bytes_per_cycle=-1)
+    with pytest.raises(ValueError):
+        LeakTracker(span=0)
 
 
 def test_device_wide_readings_get_a_wider_tolerance():
@@ -311,3 +371,75 @@ def test_device_wide_readings_get_a_wider_tolerance():
             tracker.observe("gen", residual, min_tolerance_bytes=DEVICE_WIDE_TOLERANCE_BYTES)
     assert caught == []
     assert len(observe_all(LeakTracker(), "gen", residuals)) == 1  # per-process: a leak
+
+
+def like_the_default():
+    """A fresh tracker with the process-wide one's settings."""
+    default = leak_tracker()
+    return LeakTracker(tolerance_bytes=default.tolerance_bytes,
+                       tolerance_fraction=default.tolerance_fraction, window=default.window,
+                       warmup=default.warmup, drift_bytes_per_cycle=default.drift_bytes_per_cycle,
+                       span=default.span)
+
+
+def drifting(cycles, per_cycle, start=600 * MIB):
+    """Residuals of a proc at about 600 MiB that grows `per_cycle` bytes a cycle, with the
+    warm-up climb the RL loop's procs show (30 MiB over 5 cycles) and +-4 MiB of noise."""
+    noise = [0, 3, -4, 1, 4, -2, -3, 2]
+    warm = [start - 30 * MIB + 6 * MIB * i for i in range(5)]
+    return warm + [start + i * per_cycle + noise[i % len(noise)] * MIB for i in range(cycles)]
+
+
+def test_a_leak_of_a_mib_a_cycle_still_warns():
+    caught = observe_all(like_the_default(), "gen", drifting(60, MIB))
+    assert len(caught) == 1
+    assert "KiB a pause" in str(caught[0].message)
+
+
+def test_the_runtimes_steady_drift_does_not_warn():
+    # 12 KiB a cycle: what the RL loop's tenant proc grew with its timeline unbounded
+    # (bench/RESULTS.md, soak), above Monarch's own ~0.4 KiB a call at a few calls a cycle
+    assert observe_all(like_the_default(), "gen", drifting(10_000, 12 * 1024)) == []
+    from colocate.telemetry.leaks import DRIFT_BYTES_PER_CYCLE
+
+    below = DRIFT_BYTES_PER_CYCLE - 4 * 1024
+    assert observe_all(like_the_default(), "gen", drifting(3_000, below)) == []
+
+
+def test_growth_just_above_the_drift_is_caught_in_the_end():
+    from colocate.telemetry.leaks import DRIFT_BYTES_PER_CYCLE
+
+    tracker = like_the_default()
+    above = DRIFT_BYTES_PER_CYCLE + 16 * 1024  # 16 MiB of tolerance is gone after 1024 cycles
+    residuals = drifting(3_000, above)
+    assert observe_all(tracker, "gen", residuals[:500]) == []
+    assert len(observe_all(tracker, "gen", residuals[500:])) == 1
+
+
+def test_a_leak_that_starts_late_is_caught_as_soon_as_an_early_one():
+    tracker = like_the_default()
+    steady = drifting(20_000, 12 * 1024)
+    assert observe_all(tracker, "gen", steady) == []
+    last = steady[-1]
+    leaking = [last + (i + 1) * MIB for i in range(60)]
+    caught_at = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for cycle, residual in enumerate(leaking, 1):
+            tracker.observe("gen", residual)
+            if caught:
+                caught_at = cycle
+                break
+    # against the recent reference (16 MiB + 256 x 64 KiB): against the baseline, 20,000
+    # cycles of 52 KiB unused allowance would let it grow about 1 GiB first
+    assert len(caught) == 1 and caught_at <= 40
+    assert len(tracker.history("gen")) == tracker.span + 1  # the history is bounded too
+
+
+def test_a_one_off_step_late_in_a_long_run_does_not_warn():
+    # Monarch's per-call table doubles now and then: RSS steps up once by tens of MiB (25 MiB
+    # at 115,000 calls in bench/monarch_growth.py), then grows at its usual pace again
+    tracker = like_the_default()
+    steady = drifting(20_000, 12 * 1024)
+    stepped = steady[:15_000] + [r + 40 * MIB for r in steady[15_000:]]
+    assert observe_all(tracker, "gen", stepped) == []

@@ -4,30 +4,55 @@ from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
+from itertools import pairwise
 
+KIB = 1 << 10
 MIB = 1 << 20
+
+# The steady growth per cycle (one pause of a tag) that is not counted as a leak: 64 KiB a
+# cycle. The runtime grows without any tenant leaking: Monarch 0.7.0 keeps about 0.4 KiB of
+# native memory per message a proc handles (bench/monarch_growth.py), and the RL loop's
+# tenant proc, which handles 16 messages a step and pauses each tag once a step, grew
+# 9.5 KiB a step over 2000 steps (bench/RESULTS.md, bench/soak.py section). 64 KiB a cycle
+# is about 7 times that, or about 160 messages a cycle; a tensor of 1 MiB a cycle kept
+# outside its tag is 16 times it. A proc that handles more messages than that between two
+# pauses of a tag needs a larger value.
+DRIFT_BYTES_PER_CYCLE = 64 * KIB
 
 
 class ResidualGrowthWarning(UserWarning):
-    """The residual memory after pausing a tag stayed above its first value for several cycles."""
+    """The residual memory after pausing a tag grew faster than the allowed drift for
+    several cycles in a row."""
 
 
 @dataclass
 class _TagState:
-    history: list[int] = field(default_factory=list)  # history[warmup] is the baseline
-    streak: int = 0  # consecutive observations above the tolerance
+    recent: deque[int]  # the last `span` + 1 residuals
+    baseline: int | None = None  # the residual at pause warmup + 1
+    cycles: int = 0  # pauses observed since the baseline (the baseline's own is 0)
+    observed: int = 0  # pauses observed since the last reset, warm-up included
+    streak: int = 0  # consecutive observations above the allowance
     warned: bool = False
 
 
 class LeakTracker:
-    """Compares each tag's post-pause residual with its baseline: the residual observed
-    after the first `warmup` pauses of that tag (a process's first cycles grow its heap and
-    allocator pools once, which is no leak).
+    """Compares each tag's post-pause residual with two references: its baseline, the
+    residual after the first `warmup` pauses of that tag (a process's first cycles grow its
+    heap and allocator pools once, which is no leak), and the residual `span` pauses ago.
 
-    A residual counts as grown when it exceeds baseline + max(tolerance_bytes,
-    tolerance_fraction * baseline); after `window` grown observations in a row the tracker
-    emits one ResidualGrowthWarning for the tag, and stays quiet about it until `reset`.
+    Against a reference k pauses back, the residual counts as grown when it exceeds
+    reference + max(tolerance_bytes, tolerance_fraction * reference) + k *
+    drift_bytes_per_cycle. So noise, and steady growth below `drift_bytes_per_cycle` a pause
+    (the runtime's own, see DRIFT_BYTES_PER_CYCLE), never warn; steady growth faster than
+    that warns in the end, against the baseline. Against the recent reference, where the
+    largest rise from one pause to the next is left out (a one-off step), growth faster than
+    drift_bytes_per_cycle + tolerance_bytes / span a pause warns within about `span` pauses,
+    however long the run went before it began (against the baseline alone, the allowance
+    left unused over a long run would let it grow that much first). After `window` grown
+    observations in a row the tracker emits one ResidualGrowthWarning for the tag, and stays
+    quiet about it until `reset`.
     """
 
     def __init__(
@@ -36,54 +61,79 @@ class LeakTracker:
         tolerance_fraction: float = 0.01,
         window: int = 3,
         warmup: int = 0,
+        drift_bytes_per_cycle: int = DRIFT_BYTES_PER_CYCLE,
+        span: int = 256,
     ) -> None:
-        if tolerance_bytes < 0 or tolerance_fraction < 0 or warmup < 0:
-            raise ValueError("LeakTracker tolerances and warmup must be >= 0")
-        if window < 1:
-            raise ValueError(f"LeakTracker window must be >= 1, not {window}")
+        if min(tolerance_bytes, tolerance_fraction, warmup, drift_bytes_per_cycle) < 0:
+            raise ValueError("LeakTracker tolerances, drift and warmup must be >= 0")
+        if window < 1 or span < 1:
+            raise ValueError(f"LeakTracker window and span must be >= 1, not {window}, {span}")
         self.tolerance_bytes = tolerance_bytes
         self.tolerance_fraction = tolerance_fraction
         self.window = window
         self.warmup = warmup
+        self.drift_bytes_per_cycle = drift_bytes_per_cycle
+        self.span = span
         self._lock = threading.Lock()
         self._tags: dict[str, _TagState] = {}
+
+    def _grown(self, residual: int, reference: int, cycles: int, floor: int) -> bool:
+        tolerance = max(self.tolerance_bytes, floor, self.tolerance_fraction * reference)
+        return residual > reference + tolerance + cycles * self.drift_bytes_per_cycle
 
     def observe(self, tag: str, residual_bytes: int, min_tolerance_bytes: int = 0) -> None:
         """Record the memory measured right after a pause of `tag`; warn on sustained growth.
         `min_tolerance_bytes` raises the tolerance for this observation (a device-wide GPU
         reading, which other processes move too)."""
         with self._lock:
-            state = self._tags.setdefault(tag, _TagState())
-            state.history.append(residual_bytes)
-            if len(state.history) <= self.warmup:
+            state = self._tags.get(tag)
+            if state is None:
+                state = self._tags[tag] = _TagState(deque(maxlen=self.span + 1))
+            state.observed += 1
+            state.recent.append(residual_bytes)
+            if state.observed <= self.warmup:
                 return
-            baseline = state.history[self.warmup]
-            tolerance = max(self.tolerance_bytes, min_tolerance_bytes,
-                            self.tolerance_fraction * baseline)
-            state.streak = state.streak + 1 if residual_bytes > baseline + tolerance else 0
+            if state.baseline is None:
+                state.baseline = residual_bytes
+            else:
+                state.cycles += 1
+            grown = self._grown(residual_bytes, state.baseline, state.cycles,
+                                min_tolerance_bytes)
+            if state.cycles > self.span:
+                # continuing growth over the last `span` pauses, less the largest rise from
+                # one pause to the next: a one-off step (a table of the runtime doubling, a
+                # cache filled once) is no leak there, a steady rise is
+                step = max(0, max(b - a for a, b in pairwise(state.recent)))
+                grown = grown or self._grown(residual_bytes - step, state.recent[0], self.span,
+                                             min_tolerance_bytes)
+            state.streak = state.streak + 1 if grown else 0
             if state.streak < self.window or state.warned:
                 return
             state.warned = True
-            cycles = len(state.history)
+            baseline, cycles, observed = state.baseline, state.cycles, state.observed
+        rate = (residual_bytes - baseline) / max(cycles, 1)
         warnings.warn(
             f"residual memory after pausing tag {tag!r} grew from {baseline} B (pause "
-            f"{self.warmup + 1}) to "
-            f"{residual_bytes} B (+{(residual_bytes - baseline) / MIB:.1f} MiB), above tolerance "
-            f"for {self.window} pauses in a row over {cycles} cycles; check for tensors "
-            f"allocated outside {tag!r}'s region that outlive a cycle, and for caches that grow "
-            "each cycle (torch's caching allocator, KV/prefix caches, memoised state)",
+            f"{self.warmup + 1}) to {residual_bytes} B (pause {observed}, "
+            f"+{(residual_bytes - baseline) / MIB:.1f} MiB, {rate / KIB:.1f} KiB a pause "
+            f"against {self.drift_bytes_per_cycle / KIB:.0f} KiB allowed), above tolerance "
+            f"for {self.window} pauses in a row; check for tensors allocated outside "
+            f"{tag!r}'s region that outlive a cycle, and for caches that grow each cycle "
+            "(torch's caching allocator, KV/prefix caches, memoised state)",
             ResidualGrowthWarning,
             stacklevel=2,
         )
 
     def history(self, tag: str) -> list[int]:
-        """The residuals observed for `tag` since its last reset, oldest first."""
+        """The residuals observed for `tag` since its last reset, oldest first: the last
+        `span` + 1 of them."""
         with self._lock:
             state = self._tags.get(tag)
-            return list(state.history) if state else []
+            return list(state.recent) if state else []
 
     def reset(self, tag: str | None = None) -> None:
-        """Forget `tag` (every tag when None): the next observation becomes its new baseline."""
+        """Forget `tag` (every tag when None): the next observation after the warm-up
+        becomes its new baseline."""
         with self._lock:
             if tag is None:
                 self._tags.clear()

@@ -53,7 +53,7 @@ def turns_on_gpu(mib: int, rounds: int) -> dict:
                 used.append(_used())
         return {"status": arbiter.status()[0], "intact": all(intact), "wakes": len(intact),
                 "other_resident": max(asleep), "first": used[1], "last": used[-1],
-                "events": len(telemetry.timeline().events)}
+                "events": telemetry.timeline().recorded}
 
     return asyncio.run(run())
 
