@@ -11,6 +11,7 @@ from services.errors import (
     ServiceClosedError,
     ServiceError,
     ServiceUnavailableError,
+    WeightSyncError,
 )
 from services.service import Service
 from services.spawn import spawn_service
@@ -18,5 +19,6 @@ from services.weight_sync import SyncReport, sync_weights
 
 __all__ = [
     "Service", "ServiceAsleepError", "ServiceClosedError", "ServiceConfig", "ServiceConfigError",
-    "ServiceError", "ServiceUnavailableError", "SyncReport", "spawn_service", "sync_weights",
+    "ServiceError", "ServiceUnavailableError", "SyncReport", "WeightSyncError", "spawn_service",
+    "sync_weights",
 ]

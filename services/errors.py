@@ -15,3 +15,7 @@ class ServiceUnavailableError(ServiceError):
 
 class ServiceClosedError(ServiceError):
     """The service was shut down; it takes no new requests."""
+
+
+class WeightSyncError(ServiceError):
+    """A weight sync that cannot work as asked; refused before anything was switched."""
