@@ -283,7 +283,10 @@ def _no_teardown_at_exit(llm: vllm.LLM) -> None:
     vllm-project/vllm#48620 (fix proposed in #49082). On 2 CPU slots that took the proc
     past the runtime's 5 s stop grace, so it was killed (SIGKILL), which also skipped
     vLLM's C++ destructor that removes its /dev/shm files. What the teardown frees
-    (tensors, process groups, the heap) goes with the process anyway."""
+    (tensors, process groups, the heap) goes with the process anyway. One visible trace:
+    triton's nanobind bindings, whose objects stay in the frozen heap, print a "leaked
+    instances/types/functions" report as the interpreter ends (nothing outlives the
+    process)."""
     from vllm.v1.engine.core_client import InprocClient
 
     client = llm.llm_engine.engine_core
