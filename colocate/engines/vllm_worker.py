@@ -21,13 +21,16 @@ its weight as an ordinary Parameter and computes with `torch.nn.functional.linea
 imports this module before it loads the model, so the patch is in place in time; it only
 changes the CPU path (the dispatch is called on CPU only). Second, the name of the
 shared memory vLLM's CPU communicator opens for a tensor-parallel group gets a per-engine
-prefix (see `_shm_group_name_of_this_engine`).
+prefix (see `_shm_group_name_of_this_engine`), and the file each rank creates there is
+recorded under its pid for the runtime to remove if the rank is killed
+(`_init_cpu_shm_recorded`).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import vllm.model_executor.layers.utils as vllm_layer_utils
@@ -37,6 +40,7 @@ from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistri
 from colocate.arbiter.tenant import TaggedTenant, TenantInfo
 from colocate.engines.weights import check_weights
 from colocate.memory.storages import collect
+from colocate.resources.shm_files import record as record_shm
 
 BACKUP = {"weights": True, "kv_cache": False}  # stage -> contents kept across a sleep
 IDENT_ENV = "COLOCATE_VLLM_IDENT"
@@ -64,6 +68,24 @@ def _shm_group_name_of_this_engine(communicator) -> str:
 
 
 _CPUSHMDistributed.make_group_name = staticmethod(_shm_group_name_of_this_engine)
+
+_vllm_init_cpu_shm = _CPUSHMDistributed._init_cpu_shm
+
+
+def _init_cpu_shm_recorded(distributed: _CPUSHMDistributed) -> int:
+    """vLLM's CPU shared-memory set-up, with the file this rank is about to create
+    recorded under this process's pid first (`colocate.resources.shm_files`), so the
+    runtime removes it if this proc is killed. vLLM's C++ `SHMManager` creates
+    /dev/shm/<group name>_<rank in group> (`get_shm_name`, csrc/cpu/shm.cpp) and only its
+    destructor, at a normal exit, unlinks it; a killed rank leaves it (8 MiB here). No
+    upstream issue names these files; the same leak in vLLM's KV offload region is
+    vllm-project/vllm#51579. The name cannot carry the pid: every rank of the group opens
+    the others' files by the group's one name."""
+    record_shm([Path("/dev/shm") / f"{distributed.group_name}_{distributed.communicator.rank}"])
+    return _vllm_init_cpu_shm(distributed)
+
+
+_CPUSHMDistributed._init_cpu_shm = _init_cpu_shm_recorded
 
 
 def hf_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,7 +5,8 @@ A resource group is placed once (first-fit GPUs, `packing`) and gets one proc pe
 (`procs.spawn_slot_procs`). Every allocation in the group is a slice of those procs, so the
 services of a group share processes, CUDA contexts and torch_memory_saver. An owner never
 gets the same proc twice; different owners share procs. Procs that died are replaced for
-the same slots (`replace`), and the replacement is an allocation of its own.
+the same slots (`replace`), and the replacement is an allocation of its own; the dead
+procs' shared-memory files go then (`shm_files`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from colocate.resources.packing import Inventory, Placement, ResourceError, ResourceRequest
 from colocate.resources.procs import SlotProcs, select, spawn_slot_procs, stop_procs
+from colocate.resources.shm_files import remove_files_of
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +27,10 @@ class Allocation:
     """Procs of a resource group given to one owner (a service replica, a tenant).
 
     `slots` lists (host, slot) per proc in mesh order; `procs` is the Monarch proc mesh
-    slice with dims (hosts, gpus). `replacement` is True for new procs started for the
-    slots of procs that died (`Groups.replace`): the owner still holds the group's cells
-    for those slots through its first allocation.
+    slice with dims (hosts, gpus); `pids` the procs' process ids, in the same order.
+    `replacement` is True for new procs started for the slots of procs that died
+    (`Groups.replace`): the owner still holds the group's cells for those slots through
+    its first allocation.
     """
 
     group: str
@@ -37,6 +40,7 @@ class Allocation:
     hosts: int
     procs_per_host: int
     replacement: bool = False
+    pids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -115,8 +119,9 @@ class Groups:
                 procs = select(group.procs, hosts=slice(h0, h0 + request.hosts),
                                gpus=slice(p0, p0 + request.procs_per_host))
                 slots = tuple(group.slot(h, p) for h, p in sorted(cells))
+                pids = tuple(group.pids[h * shape.procs_per_host + p] for h, p in sorted(cells))
                 return Allocation(request.resource_group, owner, procs, slots,
-                                  request.hosts, request.procs_per_host)
+                                  request.hosts, request.procs_per_host, pids=pids)
         raise ResourceError(
             f"{owner!r} already uses every proc of resource group {request.resource_group!r} "
             f"that a {request.hosts} x {request.procs_per_host} slice could take; release one "
@@ -135,7 +140,8 @@ class Groups:
 
     async def replace(self, allocation: Allocation) -> Allocation:
         """New procs for the slots of an allocation whose procs died (same hosts, same
-        slots and CUDA_VISIBLE_DEVICES). The group's other procs are left as they are."""
+        slots and CUDA_VISIBLE_DEVICES); the shared-memory files the dead ones recorded
+        are removed (`shm_files`). The group's other procs are left as they are."""
         group = self.get(allocation.group)
         hosts = sorted({h for h, _ in allocation.slots})
         slots, per_host = allocation.slots, allocation.procs_per_host
@@ -144,8 +150,9 @@ class Groups:
             lambda h, p: slots[h * per_host + p][1],
             self.virtual or not group.placement.with_gpus)
         self.replacements.append(started)
+        remove_files_of(allocation.pids)  # of the procs that died; live ones keep theirs
         return Allocation(allocation.group, allocation.owner, started.procs, slots,
-                          allocation.hosts, per_host, replacement=True)
+                          allocation.hosts, per_host, replacement=True, pids=started.pids)
 
     async def release(self, name: str, grace_s: float) -> Group:
         """Stop the group's procs and give its GPUs back; returns what it was."""

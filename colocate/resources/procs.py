@@ -5,7 +5,8 @@ One function starts procs for a resource group and for the replacement of dead o
 (`spawn_slot_procs`): each proc gets `COLOCATE_SLOT` and, on a real GPU, the slot to
 resolve to a GPU UUID at bootstrap (`hosts.run_on_slot_gpu` sets CUDA_VISIBLE_DEVICES),
 plus torch_memory_saver's preload environment in preload mode. `stop_procs` stops a proc
-mesh within a grace period and then kills what is left by pid.
+mesh within a grace period, kills what is left by pid, and removes the shared-memory files
+its procs recorded (`shm_files`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from monarch.actor import Actor, default_bootstrap_cmd, endpoint
 
 from colocate.monarch_compat import BootstrapCommand
 from colocate.resources.packing import ResourceError
+from colocate.resources.shm_files import remove_files_of, runs
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +121,8 @@ async def spawn_slot_procs(host_mesh: Any, first_host: int, hosts: int, per_host
 
 
 async def stop_procs(procs: SlotProcs, grace_s: float) -> None:
-    """Stop a proc mesh within `grace_s`, then kill what is left of it on this machine."""
+    """Stop a proc mesh within `grace_s`, then kill what is left of it on this machine and
+    remove the shared-memory files its procs recorded (`shm_files`)."""
     try:
         await asyncio.wait_for(procs.procs.stop(), grace_s)
     except Exception as err:  # a timeout, or procs that already died
@@ -130,3 +133,13 @@ async def stop_procs(procs: SlotProcs, grace_s: float) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    await _ended(procs.pids, grace_s)
+    remove_files_of(procs.pids)
+
+
+async def _ended(pids: tuple[int, ...], timeout_s: float) -> None:
+    """Wait (at most `timeout_s`) until none of `pids` runs: a killed process takes a
+    moment to go."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while any(runs(pid) for pid in pids) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
