@@ -64,7 +64,8 @@ class phase:  # noqa: N801 - used like a function, as contextlib's helpers are
 
     def __init__(self, *targets: str | HasTenants, stages: list[str] | None = None,
                  rm: ResourceManager | None = None) -> None:
-        self.names = _names(targets)
+        _names(targets)  # a bad target fails here, not at the first entry
+        self.targets = targets  # names read at each entry: a respawned replica's is new
         self.stages = stages
         self.rm = rm
 
@@ -73,7 +74,7 @@ class phase:  # noqa: N801 - used like a function, as contextlib's helpers are
         first error is raised once all were tried, noting the others'."""
         rm = self.rm or current()
         failed: list[tuple[str, Exception]] = []
-        for name in self.names:
+        for name in _names(self.targets):
             try:
                 await rm.wake(name, self.stages)
             except Exception as err:

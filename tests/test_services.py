@@ -12,6 +12,7 @@ from colocate import phase
 from colocate.arbiter import TenantLostError
 from colocate.resources.groups import Allocation
 from colocate.resources.manager import Watcher
+from colocate.resources.packing import ResourceRequest
 from colocate.testing import MemoryTenant, start_runtime
 from services import (
     ServiceAsleepError,
@@ -259,6 +260,19 @@ async def test_a_call_in_a_dead_proc_does_not_hold_a_switch():
         assert "liveness check" in victim.failure  # the arbiter's word, before Monarch's
         async with phase(generator):
             assert await asyncio.wait_for(call, 60) == 7  # retried on replica 1
+
+
+async def test_a_phase_made_before_a_respawn_wakes_the_new_generation():
+    async with start_runtime(gpus_per_host=1) as rm:
+        generator = await spawn_service(ServiceConfig(procs_per_host=1, resource_group="rl"),
+                                        MemoryTenant, 1, name="generator")
+        await rm.spawn("b", MemoryTenant, await rm.allocate(ResourceRequest("rl"), "b"), 1)
+        to_generator = phase(generator)
+        assert generator.lose(generator.replicas[0], RuntimeError("its proc is gone"))
+        await back(generator.replicas[0])
+        await rm.wake("b")
+        async with to_generator:
+            assert rm.awake_tenants() == ["generator_r0_g1"]
 
 
 async def back(replica: Replica, generation: int = 1) -> None:
