@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import shutil
+import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +32,7 @@ from colocate.engines.weights import (
     export_weights,
     read_exported,
 )
+from colocate.resources import shm_files
 
 TEXTS = ("12+34=", "7>", "905+1=", "3")
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=(2,))  # 2: eos
@@ -257,7 +261,27 @@ def export_and_exit(key: str) -> str:
 
 def test_an_export_goes_when_its_writer_exits(isolated):
     path = isolated(export_and_exit, "test_engines/exits")
-    assert path.endswith("test_engines_exits.bin") and not os.path.exists(path)
+    assert path.endswith(".bin") and "test_engines_exits-" in path
+    assert not os.path.exists(path)
+
+
+def export_and_die(key: str, out) -> None:
+    out.put(export_weights(mlp(8).state_dict().items(), key).path)
+    out.close()
+    out.join_thread()  # the path is sent before the kill
+    os.kill(os.getpid(), signal.SIGKILL)  # no atexit
+
+
+def test_a_killed_writers_export_is_its_own_and_goes_with_its_proc():
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    writer = context.Process(target=export_and_die, args=("test_engines/killed", out))
+    writer.start()
+    path = out.get(timeout=60)
+    writer.join(60)
+    assert path.endswith(f"test_engines_killed-{writer.pid}.bin") and os.path.exists(path)
+    assert shm_files.remove_files_of([writer.pid]) == [Path(path)]  # as stop_procs does
+    assert not os.path.exists(path)
 
 
 def test_an_export_during_a_read_is_detected():

@@ -10,7 +10,8 @@ last export, and returns a small `WeightManifest` (what a message carries);
 `read_exported` hands views of that file to a loader, so the reader copies straight from
 shared memory, then checks that no export overwrote them meanwhile. Both sides keep their
 mapping of the file, so a repeated sync writes and reads pages already in place; the file
-goes when its writer's process exits. Across hosts, `offer_weights` wraps each tensor in a
+(named with its writer's pid) goes when its writer's process exits, or, if it is killed,
+when the runtime stops or replaces its proc. Across hosts, `offer_weights` wraps each tensor in a
 `monarch.rdma.RDMABuffer` (ibverbs where the hosts have it, else Monarch's TCP transport)
 and `fetch_weights` reads them all, in parallel, into new tensors. Within one process, a
 tenant `publish`es its weights by name and a colocated tenant reads them in place
@@ -31,6 +32,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+
+from colocate.resources.shm_files import record as record_shm
 
 ALIGN = 64
 T = TypeVar("T")
@@ -191,7 +194,11 @@ def export_weights(weights: WeightStream | Iterable[tuple[str, torch.Tensor]], k
     for name, (shape, dtype) in stream.specs.items():
         entries.append((name, str(dtype).removeprefix("torch."), tuple(shape), offset))
         offset += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
-    path = _shm_dir() / f"{key.replace('/', '_')}.bin"
+    # the writer's pid in the name: two runs of one user never share a file, and the
+    # runtime removes it if the writer is killed (shm_files; atexit does at a normal exit)
+    path = _shm_dir() / f"{key.replace('/', '_')}-{os.getpid()}.bin"
+    if not path.exists():
+        record_shm([path])
     if not path.exists() or path.stat().st_size != offset:  # a new file, all at once
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
