@@ -1,11 +1,13 @@
 """`sync_weights(trainer, generator)`: the trainer's weights to every generator replica.
 
-A generator replica on the same procs as a trainer replica (one resource group) gets them
-by a staged handoff through the arbiters: its weights wake while the trainer keeps only
+A generator replica in the same processes as a trainer replica (one resource group) gets
+them by a staged handoff through the arbiters: its weights wake while the trainer keeps only
 its weights, it copies them in place, the trainer sleeps, then its caches wake. So the
 peak is the two weight sets, never trainer + generator + cache. A replica on other procs
 of the same host loads them from shared memory, exported once by the trainer's rank 0 (its
-other ranks take part in the gathers of a sharded trainer); a replica on another host
+other ranks take part in the gathers of a sharded trainer), and is woken for the load (one
+respawned on new procs for the trainer's slots shares the slots, not the processes: the
+trainer sleeps there once its export is written); a replica on another host
 reads them from the trainer's rank 0 over Monarch RDMA buffers. From an FSDP trainer the
 colocated handoffs must cover every trainer proc, since each bucket is gathered by all
 its ranks at once (the RL loop's shape: one generator replica per trainer proc); a sync
@@ -21,8 +23,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from colocate.arbiter.actor import remote_errors
+from colocate.arbiter.errors import ArbiterError, TenantLostError
+from colocate.resources.manager import ResourceManager
 from services.errors import ServiceUnavailableError, WeightSyncError
 from services.replica import Replica, ReplicaState
 from services.service import Service
@@ -60,6 +65,14 @@ WAYS = {"shared_memory": ("export_weights", "load_exported"),  # a replica on th
 def _way(replica: Replica, source_host: int) -> str:
     hosts = {h for h, _ in replica.allocation.slots}
     return "shared_memory" if hosts == {source_host} else "rdma"
+
+
+async def _wake_and_load(rm: ResourceManager, replica: Replica, load: str,
+                         offered: Any) -> Any:
+    """Wake `replica` (where it shares the trainer's slots from other processes, the
+    trainer sleeps there: its weights were exported already), then have it load them."""
+    await rm.wake(replica.tenant)
+    return await getattr(replica.actors, load).call(offered)
 
 
 async def _check_coverage(trainer: Service, source: Replica, generator: Service,
@@ -102,13 +115,14 @@ async def sync_weights(trainer: Service, generator: Service,
     procs of an FSDP trainer."""
     rm = trainer.rm
     source = _healthy(trainer)[0]
-    source_slots = set(source.allocation.slots)
+    source_pids = set(source.allocation.pids)
     source_host = source.allocation.slots[0][0]
     report = SyncReport()
     targets = _healthy(generator) if replicas is None else list(replicas)
-    # replicas on the trainer's procs: staged handoffs, all at once (their slots differ)
-    colocated = [r for r in targets if set(r.allocation.slots) <= source_slots]
-    apart = [r for r in targets if not set(r.allocation.slots) <= source_slots]
+    # replicas in the trainer's own processes: staged handoffs, all at once (their slots
+    # differ); one respawned on new procs for the trainer's slots is apart, as any other
+    colocated = [r for r in targets if set(r.allocation.pids) <= source_pids]
+    apart = [r for r in targets if not set(r.allocation.pids) <= source_pids]
     await _check_coverage(trainer, source, generator, colocated)
     handed = await asyncio.gather(*(rm.handoff(source.tenant, r.tenant) for r in colocated),
                                   return_exceptions=True)
@@ -122,11 +136,15 @@ async def sync_weights(trainer: Service, generator: Service,
             continue
         async with remote_errors():  # every rank takes part (FSDP gathers); rank 0 answers
             offered = await source.call(offer, (), {})
-        loads = await asyncio.gather(*(getattr(r.actors, load).call(offered) for r in readers),
+        loads = await asyncio.gather(*(_wake_and_load(rm, r, load, offered) for r in readers),
                                      return_exceptions=True)
         for replica, loaded in zip(readers, loads, strict=True):
             if not isinstance(loaded, BaseException):
                 getattr(report, way)[replica.tenant] = sum(v for _, v in loaded.items())
+            elif isinstance(loaded, TenantLostError):  # its service heard of it already
+                report.lost.append(replica.tenant)
+            elif isinstance(loaded, ArbiterError):
+                raise loaded  # its wake failed, rolled back (the error says who is awake)
             elif generator.lose(replica, loaded):
                 report.lost.append(replica.tenant)
             else:

@@ -5,12 +5,14 @@ FSDP ranks out is refused up front."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 import torch
 
 from colocate import ArbiterConfig, phase
+from colocate.arbiter import ArbiterError
 from colocate.engines.actors import GeneratorActor, TrainerActor
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
@@ -152,3 +154,30 @@ async def test_a_handoff_that_leaves_out_fsdp_ranks_is_refused_before_anything_s
         assert await trainer.checksum.route() == trained
         await trainer.train_step.route(logit_loss, BATCH)  # still trains, both ranks
         assert await trainer.checksum.route() != trained
+
+
+async def test_a_generator_respawned_beside_the_trainer_syncs_through_shared_memory(model_dir):
+    """A generator replica respawned on a new proc for the trainer's slot shares the slot,
+    not the process: the sync goes through shared memory, and a direct handoff is refused
+    naming why."""
+    async with start_runtime(gpus_per_host=1) as rm:
+        trainer = await spawn_service(ServiceConfig(resource_group="rl"), TrainerActor,
+                                      model_dir, lr=0.05, name="trainer")
+        generator = await spawn_service(ServiceConfig(resource_group="rl"), GeneratorActor,
+                                        model_dir, name="generator")
+        replica = generator.replicas[0]
+        assert generator.lose(replica, RuntimeError("its proc is gone"))
+        for _ in range(600):
+            if replica.generation == 1 and replica.state.value == "healthy":
+                break
+            await asyncio.sleep(0.1)
+        assert replica.tenant == "generator_r0_g1", replica.failure
+        async with phase(trainer):
+            await trainer.train_step.route(logit_loss, BATCH)
+            trained = await trainer.checksum.route()
+        with pytest.raises(ArbiterError, match=r"\(0, 0\).*different processes"):
+            await rm.handoff("trainer_r0", "generator_r0_g1")
+        report = await sync_weights(trainer, generator)
+        assert set(report.shared_memory) == {"generator_r0_g1"} and not report.handoff
+        async with phase(generator):
+            assert await generator.checksum.route() == trained

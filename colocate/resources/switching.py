@@ -45,6 +45,7 @@ class Switchboard:
         self.on_lost = on_lost  # told of tenants an arbiter found lost: names, why
         self.tenants: dict[str, list[tuple[int, int]]] = {}  # name -> (host, slot)
         self.stages: dict[str, tuple[str, ...]] = {}  # name -> its stages
+        self.pids: dict[str, dict[tuple[int, int], int]] = {}  # name -> (host, slot) -> pid
         self.awake: dict[str, bool] = {}  # name -> fully awake on all its slots (last view)
         self.host_status: dict[int, HostStatus] = {}  # the arbiters' answers, last view
         self.watchers: list[SwitchWatcher] = []
@@ -95,6 +96,8 @@ class Switchboard:
             self.forget(name)
             raise
         self.stages[name] = infos[0].stages
+        self.pids[name] = {slot: info.pid for slot, info in zip(allocation.slots, infos,
+                                                                strict=True)}
         await self.refresh()
 
     async def unregister(self, name: str) -> None:
@@ -108,7 +111,7 @@ class Switchboard:
 
     def forget(self, name: str) -> None:
         """Forget a tenant here only (its arbiters no longer know it, or its slots are gone)."""
-        for table in (self.tenants, self.stages, self.awake):
+        for table in (self.tenants, self.stages, self.pids, self.awake):
             table.pop(name, None)
 
     def forget_slots(self, slots: set[tuple[int, int]]) -> list[str]:
@@ -162,6 +165,13 @@ class Switchboard:
             raise ArbiterError(f"handoff {source} -> {target}: {source} is not on {target}'s "
                                f"(host, slot)s {sorted(apart)}; colocate them in one resource "
                                "group, or sync through shared memory (services.sync_weights)")
+        other_procs = sorted(slot for slot, pid in self.pids[target].items()
+                             if self.pids[source][slot] != pid)
+        if other_procs:  # e.g. one of them was respawned on new procs for the same slots
+            raise ArbiterError(f"handoff {source} -> {target}: on (host, slot)s {other_procs} "
+                               "they live in different processes (a handoff copies within "
+                               "one); sync through shared memory (services.sync_weights does "
+                               "for replicas on other procs)")
         copied = 0
 
         async def on(host: int, slots: list[int]) -> HostStatus:
