@@ -451,9 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20,
                         help="steps before the start readings (lazy threads, pools, caches)")
     parser.add_argument("--window", type=int, default=100)
-    # 8 MiB: with Monarch's own growth taken out, the default run's tenant proc grew 2.5 MiB
-    # (1.8 MiB of it its switch timeline filling its ring), within 0.4 MiB from run to run
-    # (bench/RESULTS.md, soak): 8 MiB fails a growth of about 3 KiB a step over 2000 steps
+    # 8 MiB: with Monarch's own growth taken out, the default run's tenant proc grew 2.5 and
+    # 2.8 MiB in two runs, 1.8 MiB of it its switch timeline filling its ring (bench/RESULTS.md,
+    # soak); 8 MiB fails a further growth of about 3 KiB a step between the windows
     parser.add_argument("--rss-slack-mib", type=int, default=8,
                         help="the most a tenant proc's RSS after its sleeps may grow between "
                         "the windows, beyond the echo baseline's growth")
