@@ -6,10 +6,18 @@ configured) for `--steps` steps or `--minutes` minutes, whichever comes first, a
 - RSS after each sleep, per proc and per tag: every pause a proc makes is in its switch
   timeline (`colocate.telemetry.timeline()`: the proc's RSS right after the pause). A `Probe`
   actor on each proc of the loop's resource groups reads what is new in it every
-  `POLL_STEPS` steps (the timeline is a ring of its last events). Flat means: the
-  median of the last `--window` steps is within `--rss-slack-mib` of the median of the
-  `--window` steps after the warm-up. Also whether `ResidualGrowthWarning` fired in a proc
-  (the runtime's own leak tracker; the probe records every warning of that class).
+  `POLL_STEPS` steps (the timeline is a ring of its last events), with the number of
+  Monarch messages the proc's actors have handled since the probe started
+  (`bench.monarch_growth.count_messages`: every call of `_Actor.handle`/`handle_sync`, the
+  probe's own included), also at the first window's two ends. The growth is the median of
+  the last `--window` steps less the median of the `--window` steps after the warm-up (raw
+  growth). Monarch 0.7.0 itself keeps memory per message a proc handles (bench/RESULTS.md),
+  so after the loop the same client runs the bare echo actor of `bench/monarch_growth.py`
+  on a fresh proc, reading its RSS at the message counts the tenant proc had at each step
+  of the two windows (interpolated between the counter's readings): the echo's growth
+  between the same medians is the baseline. Flat means: raw growth less that baseline is at
+  most `--rss-slack-mib`. Also whether `ResidualGrowthWarning` fired in a proc (the
+  runtime's own leak tracker; the probe records every warning of that class).
 - File descriptors, threads (/proc/PID/fd, /proc/PID/task) and the RSS of the client and of
   every process it started (procs, arbiters, host agents), after `--warmup` steps and at the
   end; /dev/shm entries on the machine and those the loop's processes map or hold open.
@@ -20,8 +28,9 @@ configured) for `--steps` steps or `--minutes` minutes, whichever comes first, a
   (at most `--max-switch-ratio`): other jobs' load moves the median, while a switch that
   costs more each step moves every percentile.
 
-Prints a table, writes `soak.json` (the figures, and the RSS after each sleep per proc, tag
-and step) and `rss.png` (that RSS over the steps) to `--out`, and the loop's own
+Prints a table, writes `soak.json` (the figures, the RSS after each sleep per proc, tag
+and step, the message counts and the echo's readings) and `rss.png` (that RSS over the
+steps) to `--out`, and the loop's own
 `metrics.json`, reward and memory plots. Exits 1 when a check fails. Not run by pytest:
 
     python -m bench.soak [--steps 2000] [--minutes 30] [--out runs/soak] [section.field=value ...]
@@ -47,6 +56,7 @@ if str(ROOT) not in sys.path:
 import psutil  # noqa: E402
 from monarch.actor import Actor, endpoint  # noqa: E402
 
+from bench.monarch_growth import count_messages, echo_readings  # noqa: E402
 from colocate import telemetry  # noqa: E402
 
 MIB = 1 << 20
@@ -58,9 +68,11 @@ POLL_STEPS = 100
 
 class Probe(Actor):
     """On a proc of the loop: records every ResidualGrowthWarning raised in the proc from
-    its start on, and gives the proc's pauses (tag, RSS after, when) from its timeline."""
+    its start on, counts the Monarch messages the proc's actors handle from its start on,
+    and gives the proc's pauses (tag, RSS after, when) from its timeline."""
 
     def __init__(self) -> None:
+        self.handled = count_messages()
         self.caught: list[str] = []
         self.seen = telemetry.timeline().recorded  # events before the probe: start-up
         shown = warnings.showwarning
@@ -79,11 +91,13 @@ class Probe(Actor):
 
     @endpoint
     def pauses(self) -> dict[str, Any]:
-        """The pauses recorded since the last call (LookupError if the ring dropped some)."""
+        """The pauses recorded since the last call (LookupError if the ring dropped some),
+        and the messages the proc has handled, this call included: in all and by endpoint."""
         line = telemetry.timeline()
         events = line.since(self.seen)
         self.seen += len(events)
-        return {"pid": os.getpid(),
+        return {"pid": os.getpid(), "messages": sum(self.handled.values()),
+                "by_endpoint": dict(self.handled),
                 "pauses": [(e.tag, e.after_bytes, e.start) for e in events if e.op == "pause"]}
 
     @endpoint
@@ -152,17 +166,57 @@ def rss_after_sleeps(probes: list[dict[str, Any]], step_starts: list[float]
     return series
 
 
-def judge_rss(series: dict[str, dict[str, Any]], warmup: int, window: int, steps: int,
-              slack: int) -> list[dict[str, Any]]:
+def messages_at(readings: list[tuple[int, int]], step: float) -> float:
+    """The messages a proc had handled when `step` steps were done, from its counter's
+    readings (steps done, messages handled), sorted by steps: exact at a reading, linear
+    between the two around it. ValueError outside the readings."""
+    import bisect
+
+    index = bisect.bisect_left(readings, (step,))
+    if index < len(readings) and readings[index][0] == step:
+        return float(readings[index][1])
+    if index == 0 or index == len(readings):
+        raise ValueError(f"step {step} is outside the readings, steps {readings[0][0]}-"
+                         f"{readings[-1][0]}")
+    (before, got_before), (after, got_after) = readings[index - 1], readings[index]
+    return got_before + (got_after - got_before) * (step - before) / (after - before)
+
+
+def windows(warmup: int, window: int, steps: int) -> tuple[range, range]:
+    """The steps of the first window (after the warm-up) and of the last."""
+    return range(warmup, warmup + window), range(steps - window, steps)
+
+
+def echo_baseline(readings: list[tuple[int, int]], early: range, late: range
+                  ) -> dict[str, Any]:
+    """The bare echo actor's RSS growth over the same messages as a tenant proc: its proc
+    is read when it has handled as many messages as the tenant proc had at the start of
+    each step of the two windows (`readings`: the tenant proc's counter); the growth is the
+    median of the late reads less the median of the early ones, as for the tenant."""
+    marks = [round(messages_at(readings, step)) for step in (*early, *late)]
+    got = echo_readings(marks)
+    first, last = got[:len(early)], got[len(early):]
+    growth = median([r["proc_rss"] for r in last]) - median([r["proc_rss"] for r in first])
+    return {"messages": (marks[0], marks[len(early) - 1], marks[len(early)], marks[-1]),
+            "growth": growth, "readings": got}
+
+
+def judge_rss(series: dict[str, dict[str, Any]], early: range, late: range, slack: int,
+              baselines: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per proc and tag: the median RSS after its pauses in the two windows, the growth,
+    its proc's echo baseline (`baselines`, by pid), and whether the growth less the
+    baseline is at most `slack` bytes."""
     rows = []
     for key, entry in sorted(series.items()):
         by_step = entry["by_step"]
-        early = [v for s, v in by_step.items() if warmup <= s < warmup + window]
-        late = [v for s, v in by_step.items() if s >= steps - window]
-        growth = median(late) - median(early)
-        rows.append({"series": key, "pauses": len(by_step), "early_mib": median(early) / MIB,
-                     "late_mib": median(late) / MIB, "growth_mib": growth / MIB,
-                     "ok": bool(growth <= slack)})
+        first = [v for s, v in by_step.items() if s in early]
+        last = [v for s, v in by_step.items() if s in late]
+        growth = median(last) - median(first)
+        baseline = baselines[entry["pid"]]["growth"]
+        rows.append({"series": key, "pauses": len(by_step), "early_mib": median(first) / MIB,
+                     "late_mib": median(last) / MIB, "growth_mib": growth / MIB,
+                     "baseline_mib": baseline / MIB, "net_mib": (growth - baseline) / MIB,
+                     "ok": bool(growth - baseline <= slack)})
     return rows
 
 
@@ -209,11 +263,16 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         probes = [loop.rm.group(g).procs.spawn("soak_probe", Probe) for g in sorted(groups)]
         proc_pids = [pid for probe in probes for _, pid in (await probe.pid.call()).items()]
         pauses: dict[int, list[tuple[str, int, float]]] = {pid: [] for pid in proc_pids}
+        # per proc, at each read: the steps done and the messages handled, in all and by
+        # endpoint
+        counts: dict[int, list[dict[str, Any]]] = {pid: [] for pid in proc_pids}
 
-        async def collect() -> None:
+        async def collect(done: int) -> None:
             for probe in probes:
                 for _, got in (await probe.pauses.call()).items():
                     pauses[got["pid"]].extend(got["pauses"])
+                    counts[got["pid"]].append({"steps": done, "messages": got["messages"],
+                                               "by_endpoint": got["by_endpoint"]})
 
         start = None
         bar = tqdm(total=args.steps, desc="soak", unit="step")
@@ -222,12 +281,13 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 break
             if index == args.warmup:
                 start = snapshot()
+                await collect(index)
             step_starts.append(time.time())
             row = await loop.step(index)
             loop.record.step(row)
             rows.append(row)
-            if (index + 1) % POLL_STEPS == 0:
-                await collect()
+            if (index + 1) % POLL_STEPS == 0 or index + 1 == args.warmup + args.window:
+                await collect(index + 1)
             bar.update()
             bar.set_postfix({"switch_ms": f"{1e3 * row['switch_s']:.1f}",
                              "sync_ms": f"{1e3 * row['sync_s']:.1f}",
@@ -235,9 +295,10 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         bar.close()
         await asyncio.sleep(1.0)  # let the last step's threads and files settle
         end = snapshot()
-        await collect()
-        found = [{**value, "pauses": pauses[value["pid"]]} for probe in probes
-                 for _, value in (await probe.summary.call()).items()]
+        if not counts[proc_pids[0]] or counts[proc_pids[0]][-1]["steps"] != len(rows):
+            await collect(len(rows))  # unless the last step's poll read it all
+        found = [{**value, "pauses": pauses[value["pid"]], "counts": counts[value["pid"]]}
+                 for probe in probes for _, value in (await probe.summary.call()).items()]
     finally:
         await loop.stop()
     if start is None:
@@ -271,11 +332,35 @@ def plot(series: dict[str, dict[str, Any]], rows: list[dict[str, Any]], path: Pa
     fig.savefig(path, format="png")
 
 
+def window_size(steps: int, args: argparse.Namespace) -> int:
+    """The steps in each window: `--window`, or fewer when the run was cut short."""
+    return min(args.window, max(1, (steps - args.warmup) // 2))
+
+
+def baselines(result: dict[str, Any], args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    """The echo baseline (`echo_baseline`) of each proc that paused (a tenant proc), by
+    pid, run one after another on fresh procs of this host."""
+    steps = len(result["rows"])
+    early, late = windows(args.warmup, window_size(steps, args), steps)
+    found = {}
+    for probe in result["probes"]:
+        if not probe["pauses"]:
+            continue
+        print(f"echo baseline for pid {probe['pid']}: a bare Monarch actor, read at the "
+              "message counts of the proc's two windows ...", flush=True)
+        found[probe["pid"]] = echo_baseline(
+            [(c["steps"], c["messages"]) for c in probe["counts"]], early, late)
+    return found
+
+
 def report(result: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    """Prints the figures and the checks; returns them for soak.json, and whether every
+    check passed."""
     rows, steps = result["rows"], len(result["rows"])
-    window = min(args.window, max(1, (steps - args.warmup) // 2))
+    window = window_size(steps, args)
+    early, late = windows(args.warmup, window, steps)
     series = rss_after_sleeps(result["probes"], result["step_starts"])
-    rss_rows = judge_rss(series, args.warmup, window, steps, args.rss_slack_mib * MIB)
+    rss_rows = judge_rss(series, early, late, args.rss_slack_mib * MIB, result["baselines"])
     proc_rows, system = judge_procs(result["start"], result["end"], args.fd_slack,
                                      args.thread_slack)
     caught = {p["pid"]: p["warnings"] for p in result["probes"] if p["warnings"]}
@@ -297,11 +382,28 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, 
           f"steps; load average at the end "
           f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("\n| proc, tag | pauses | RSS after sleep, MiB: steps "
-          f"{args.warmup}-{args.warmup + window - 1} | last {window} | growth | verdict |")
-    print("|---|---:|---:|---:|---:|---|")
+          f"{args.warmup}-{args.warmup + window - 1} | last {window} | growth | echo baseline "
+          f"| growth - baseline | verdict ({args.rss_slack_mib} MiB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rss_rows:
         print(f"| {r['series']} | {r['pauses']} | {r['early_mib']:.1f} | {r['late_mib']:.1f} | "
-              f"{r['growth_mib']:+.1f} | {'ok' if r['ok'] else 'GREW'} |")
+              f"{r['growth_mib']:+.1f} | {r['baseline_mib']:+.1f} | {r['net_mib']:+.1f} | "
+              f"{'ok' if r['ok'] else 'GREW'} |")
+    for probe in result["probes"]:
+        base = result["baselines"].get(probe["pid"])
+        if base is None:
+            continue
+        first, last = probe["counts"][0], probe["counts"][-1]
+        rate = {name: (got - first["by_endpoint"].get(name, 0)) / (last["steps"] - first["steps"])
+                for name, got in sorted(last["by_endpoint"].items())}
+        print(f"pid {probe['pid']}: Monarch messages handled (counted in the proc from the "
+              f"probe's start) at the first window's steps {base['messages'][0]}-"
+              f"{base['messages'][1]}, at the last's {base['messages'][2]}-"
+              f"{base['messages'][3]}; steps {first['steps']}-{last['steps']}: "
+              f"{(last['messages'] - first['messages']) / (last['steps'] - first['steps']):.2f} "
+              f"a step ({', '.join(f'{k} {v:.2f}' for k, v in rate.items() if v)}); the echo "
+              f"proc (pid {base['readings'][0]['proc_pid']}) read at the same counts grew "
+              f"{base['growth'] / MIB:+.1f} MiB")
     print("\n| process | RSS MiB start → end | fds | threads | /dev/shm held | verdict |")
     print("|---|---:|---:|---:|---:|---|")
     for r in proc_rows:
@@ -330,6 +432,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, 
     print(f"\nchecks: {json.dumps(checks)}")
     figures = {"steps": steps, "seconds": elapsed, "window": window, "warmup": args.warmup,
                "checks": checks, "rss": rss_rows, "procs": proc_rows, "system": system,
+               "messages": {p["pid"]: p["counts"] for p in result["probes"]},
+               "echo_baselines": result["baselines"],
                "warnings": caught, "switch": switch,
                "timelines": {p["pid"]: p["timeline"] for p in result["probes"]},
                "rss_after_sleep": {key: entry["by_step"] for key, entry in series.items()},
@@ -347,7 +451,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20,
                         help="steps before the start readings (lazy threads, pools, caches)")
     parser.add_argument("--window", type=int, default=100)
-    parser.add_argument("--rss-slack-mib", type=int, default=16)
+    # 8 MiB: with Monarch's own growth taken out, the default run's tenant proc grew 2.5 and
+    # 2.8 MiB in two runs, 1.8 MiB of it its switch timeline filling its ring (bench/RESULTS.md,
+    # soak); 8 MiB fails a further growth of about 3 KiB a step between the windows
+    parser.add_argument("--rss-slack-mib", type=int, default=8,
+                        help="the most a tenant proc's RSS after its sleeps may grow between "
+                        "the windows, beyond the echo baseline's growth")
     parser.add_argument("--fd-slack", type=int, default=2)
     parser.add_argument("--thread-slack", type=int, default=2)
     parser.add_argument("--max-switch-ratio", type=float, default=1.5)
@@ -358,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --warmup >= 1, --window >= 1 and --steps >= 2 * --warmup")
     info, command = announce()
     result = asyncio.run(soak(args))
+    result["baselines"] = baselines(result, args)
     figures, ok = report(result, args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(
