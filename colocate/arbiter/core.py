@@ -19,8 +19,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import psutil
-
 from colocate import telemetry
 from colocate.arbiter.errors import (
     ArbiterError,
@@ -37,27 +35,6 @@ T = TypeVar("T")
 LIVENESS_POLL_S = 0.05  # how often a pending tenant call checks that the tenant's proc runs
 _AFTER_LOSS = ("To use slot {slot} again, remove its lost tenants (rm.remove) and give it new "
                "procs (rm.release(group), then allocate again)")
-_PF_EXITING = 0x4  # Linux task flag: the process has begun to exit (its memory is going)
-
-
-def _proc_alive(pid: int) -> bool:
-    """Whether process `pid` of this host still runs: not gone, not a zombie, and (where
-    /proc tells) not in its exit, when its memory already reads as released."""
-    try:
-        if psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-            return False
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:  # it exists, but we may not look at it
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            flags = int(stat.read().rsplit(b")", 1)[1].split()[6])  # field 9, after comm
-    except (OSError, ValueError, IndexError):  # no /proc here, or the process just went
-        return psutil.pid_exists(pid)
-    return not flags & _PF_EXITING
-
-
 class ArbiterConfigError(ArbiterError, ValueError):
     """An ArbiterConfig field of the wrong type or out of range, named in the message."""
 
@@ -155,10 +132,10 @@ class SlotArbiter:
             else:
                 reading = telemetry.read_gpu_uuid_process(info.device, info.pid)
         except telemetry.TelemetryError:
-            if not _proc_alive(info.pid):
+            if not telemetry.process_runs(info.pid):
                 raise self._lose(slot, info.pid, during) from None
             raise
-        if not _proc_alive(info.pid):  # a dying process reads as released: it is lost
+        if not telemetry.process_runs(info.pid):  # a dying process reads as released: it is lost
             raise self._lose(slot, info.pid, during)
         return reading
 
@@ -234,7 +211,7 @@ class SlotArbiter:
         deadline = time.monotonic() + self.config.call_timeout_s
         try:
             while not task.done():
-                if pid is not None and not _proc_alive(pid):
+                if pid is not None and not telemetry.process_runs(pid):
                     raise self._lose(slot, pid, what)
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -272,7 +249,7 @@ class SlotArbiter:
         if name in slot.lost:
             return
         pid = slot.infos[name].pid
-        if not _proc_alive(pid):
+        if not telemetry.process_runs(pid):
             self._lose(slot, pid, f"a call to {name}")
             return
         try:
@@ -555,7 +532,7 @@ class SlotArbiter:
                 continue
             for name in names.intersection(slot.tenants).difference(slot.lost):
                 pid = slot.infos[name].pid
-                if not _proc_alive(pid):
+                if not telemetry.process_runs(pid):
                     self._lose(slot, pid, "a liveness check")
             found.update({name: f"{name} lost on slot {slot.index}: {why}"
                           for name, why in slot.lost.items()})

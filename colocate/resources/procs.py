@@ -23,7 +23,8 @@ from monarch.actor import Actor, default_bootstrap_cmd, endpoint
 
 from colocate.monarch_compat import BootstrapCommand
 from colocate.resources.packing import ResourceError
-from colocate.resources.shm_files import remove_files_of, runs
+from colocate.resources.shm_files import remove_files_of
+from colocate.telemetry import process_runs
 
 logger = logging.getLogger(__name__)
 
@@ -141,5 +142,5 @@ async def _ended(pids: tuple[int, ...], timeout_s: float) -> None:
     """Wait (at most `timeout_s`) until none of `pids` runs: a killed process takes a
     moment to go."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while any(runs(pid) for pid in pids) and asyncio.get_running_loop().time() < deadline:
+    while any(process_runs(pid) for pid in pids) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-import psutil
+from colocate.telemetry import process_runs
 
 _started = False  # whether this process wrote its record yet (the first write truncates)
 
@@ -48,20 +48,12 @@ def recorded(pid: int) -> list[Path]:
     return [Path(line) for line in dict.fromkeys(lines) if line]
 
 
-def runs(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def remove_files_of(pids: Iterable[int]) -> list[Path]:
     """Remove the files each of `pids` recorded, and its record, for those that no longer
     run (a running one's files are in use: left); returns the files removed."""
     removed = []
     for pid in pids:
-        if runs(pid):
+        if process_runs(pid):
             continue
         for path in recorded(pid):
             try:

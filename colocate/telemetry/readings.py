@@ -87,6 +87,27 @@ def read_pid(pid: int) -> MemoryReading:
     return MemoryReading(f"pid:{pid}", rss, time.time())
 
 
+PF_EXITING = 0x4  # Linux task flag: the process has begun to exit (its memory is going)
+
+
+def process_runs(pid: int) -> bool:
+    """Whether process `pid` of this host still runs: not gone, not a zombie, and (where
+    /proc tells) not in its exit, when its memory already reads as released."""
+    try:
+        if psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return False
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # it exists, but we may not look at it
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            flags = int(stat.read().rsplit(b")", 1)[1].split()[6])  # field 9, after comm
+    except (OSError, ValueError, IndexError):  # no /proc here, or the process just went
+        return psutil.pid_exists(pid)
+    return not flags & PF_EXITING
+
+
 _nvml_lock = threading.Lock()
 _nvml: Any = None  # the pynvml module, once nvmlInit() has succeeded
 _handles: dict[str, Any] = {}  # bare device UUID -> NVML device handle
