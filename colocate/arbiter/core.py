@@ -528,9 +528,10 @@ class SlotArbiter:
         names = set(names)
         found: dict[str, str] = {}
         for slot in self.slots.values():
-            if not names.intersection(slot.tenants):
+            asked = names.intersection(slot.tenants)
+            if not asked:
                 continue
-            for name in names.intersection(slot.tenants).difference(slot.lost):
+            for name in asked.difference(slot.lost):
                 pid = slot.infos[name].pid
                 if not telemetry.process_runs(pid):
                     self._lose(slot, pid, "a liveness check")
