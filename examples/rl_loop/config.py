@@ -101,13 +101,24 @@ class RunConfig:
     colocate: bool = True  # False: trainer and generator on separate slots (for comparison)
     out: str = "runs/rl_loop"
     wandb: bool = False  # also log to Weights & Biases, offline (`wandb sync` uploads)
+    save_every: int = 50  # a checkpoint every N steps and at the end (0: never)
+    keep_last: int = 2  # complete checkpoints kept under out/checkpoints
+    resume: str = "auto"  # auto: the newest complete checkpoint under out, else anew;
+    # none: start anew (the checkpoints of an earlier run there are removed); or a directory
+    export_every: int = 0  # also write out/model every N steps (0: at the end only)
+    max_restarts: int = 3  # a lost proc: restart the slots, reload the last checkpoint
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"run.engine={self.engine!r}: use one of {ENGINES}")
-        for name in ("steps", "eval_every", "slots"):
+        for name in ("steps", "eval_every", "slots", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"run.{name}={getattr(self, name)}: must be >= 1")
+        for name in ("save_every", "export_every", "max_restarts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"run.{name}={getattr(self, name)}: must be >= 0")
+        if not self.resume:
+            raise ValueError("run.resume='': use auto, none or a checkpoint directory")
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,21 @@ rewards give group-relative advantages, the trainer takes a step (trainer awake)
 trainer's weights go to the generator by a staged handoff (the generator ends awake, so
 the next step's generation needs no switch). Every switch goes through the arbiters and
 is checked by measurement.
+
+A run is durable: every `run.save_every` steps (and at the end) the trainer saves its
+checkpoint while it is awake (staged in host memory, written in the background) and the
+loop its own state (`state.LoopState`); `run.resume=auto` goes on from the newest complete
+one, as the same run. At the end the trained model is written to `run.out/model/`, a
+Hugging Face directory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
-import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -30,19 +37,29 @@ from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.grpo import group_advantages
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.rollouts import GRPOLoss, make_batch
+from examples.rl_loop.state import (
+    Checkpoints,
+    LoopState,
+    PromptSampler,
+    RunLock,
+    find_resume,
+    identity,
+)
 from services import Service, ServiceConfig, spawn_service, sync_weights
 from services.replica import Replica, ReplicaState
 
 ROOT = Path(__file__).resolve().parents[2]
+logger = logging.getLogger(__name__)
 
 
 def model_dir(cfg: RLConfig, out: Path) -> Path:
     """The initial policy's Hugging Face directory, which every engine loads: `model.path`,
-    or a tiny random model over the task's characters written under `out`."""
+    or a tiny random model over the task's characters written under `out` (as
+    base_model/: `out/model` is the trained one)."""
     m = cfg.model
     if m.path is not None:
         return Path(m.path)
-    return write_tiny_model(out / "model", m.architecture, alphabet=task.ALPHABET,
+    return write_tiny_model(out / "base_model", m.architecture, alphabet=task.ALPHABET,
                             hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
                             kv_heads=m.kv_heads, intermediate_size=m.intermediate_size,
                             max_positions=m.max_positions, init_std=m.init_std, seed=m.seed)
@@ -73,7 +90,8 @@ class Loop:
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
-        self.rng = random.Random(cfg.run.seed)
+        self.sampler = PromptSampler(cfg.run.seed)
+        self.checkpoints = Checkpoints(self.out / "checkpoints", cfg.run.keep_last)
         self.record = RunRecord(config=as_dict(cfg), logdir=self.out / "tensorboard",
                                 wandb_dir=self.out if cfg.run.wandb else None)
         self.bar: tqdm | None = None
@@ -86,7 +104,9 @@ class Loop:
         self.greedy = SamplingParams(max_new_tokens=cfg.task.max_new_tokens, temperature=0,
                                      stop_token_ids=(self.tokenizer.eos_token_id,))
 
-    async def start(self) -> None:
+    async def start(self, checkpoint: Path | None = None) -> None:
+        """Start the runtime and both services; the trainer loads `checkpoint` when given;
+        then the generator gets the trainer's weights."""
         run = self.cfg.run
         # the procs unpickle this example's loss function: they need the repo on their path
         os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -108,6 +128,9 @@ class Loop:
         self.generator = await spawn_service(config, GeneratorActor, path,
                                              name="generator", **options)
         self.generator.on_respawn.append(self._resync)
+        if checkpoint is not None:
+            async with phase(self.trainer):
+                await self.trainer.load_checkpoint.route(str(checkpoint / "trainer"))
         await sync_weights(self.trainer, self.generator)  # it starts awake, with those
 
     def _generator_service(self, group: str) -> tuple[ServiceConfig, dict[str, Any]]:
@@ -188,7 +211,8 @@ class Loop:
             woken = clock()
             await self._readings("generate")
             generating = clock()
-            prompts = task.sample_prompts(cfg.task, cfg.grpo.prompts_per_step, self.rng)
+            prompts = task.sample_prompts(cfg.task, cfg.grpo.prompts_per_step,
+                                          self.sampler.rng)
             sampling = dataclasses.replace(self.sampling,
                                            seed=cfg.run.seed * 1_000_003 + index * 10_007)
             tokens, completions = await self.generate(prompts, sampling,
@@ -208,27 +232,88 @@ class Loop:
                 training = clock()
                 for _ in range(cfg.grpo.updates_per_batch):
                     metrics = await self.trainer.train_step.route(GRPOLoss(cfg.grpo), batch)
-            trained = clock()
+                trained = clock()
+                await self._keep(index + 1)
+                kept = clock()
             await sync_weights(self.trainer, self.generator)
         synced = clock()
         await self._readings("sync")
         readings = (generating - woken) + (training - trainer_woken)
         row = {"step": index, "reward": rewards.mean().item(), **metrics,
                "generate_s": generated - generating, "score_s": scored - generated,
-               "train_s": trained - training,
+               "train_s": trained - training, "save_s": kept - trained,
                "switch_s": (woken - start) + (trainer_woken - scored),
-               "sync_s": synced - trained, "step_s": synced - start - readings,
+               "sync_s": synced - kept, "step_s": synced - start - readings,
                "readings_s": readings + (clock() - synced)}
         if (index + 1) % cfg.run.eval_every == 0 or index + 1 == cfg.run.steps:
             row["eval_reward"] = await self.evaluate()
         return row
 
+    def _saves(self, done: int) -> bool:
+        """Whether the loop keeps a checkpoint after `done` steps."""
+        every = self.cfg.run.save_every
+        return every > 0 and (done % every == 0 or done == self.cfg.run.steps)
+
+    async def _keep(self, done: int) -> None:
+        """While the trainer is awake after its `done`-th step: start its checkpoint (the
+        loop's state joins it once the step's metrics are in) and export the model when
+        `run.export_every` says so."""
+        if self._saves(done):
+            path = self.checkpoints.path(done)
+            shutil.rmtree(path, ignore_errors=True)  # what a killed run left half-written
+            path.mkdir(parents=True)
+            await self.trainer.save_checkpoint.route(str(path / "trainer"), wait=False)
+        every = self.cfg.run.export_every
+        if every and done % every == 0:
+            await self.trainer.export_model.route(str(self.out / "model"))
+
+    def _keep_loop_state(self, done: int) -> None:
+        """The loop's side of the checkpoint after `done` steps, then the old ones pruned."""
+        if not self._saves(done):
+            return
+        LoopState(step=done, sampler=self.sampler.state_dict(),
+                  identity=identity(self.record.config), metrics=self.record.steps,
+                  memory=self.record.memory, phases=self.record.phases,
+                  restarts=self.record.restarts, elapsed_s=self.record.now(),
+                  ).write(self.checkpoints.path(done) / "loop.json")
+        self.checkpoints.prune()
+
+    def _resume(self) -> tuple[Path, LoopState] | None:
+        """The checkpoint to go on from (`run.resume`), its loop state restored here."""
+        found = find_resume(self.cfg.run.resume, self.checkpoints, self.record.config)
+        if found is None:
+            if self.cfg.run.resume == "none" and (removed := self.checkpoints.clear()):
+                logger.warning("run.resume=none: removed %d checkpoint(s) of an earlier run "
+                               "under %s", removed, self.checkpoints.root)
+            return None
+        path, state = found
+        self.sampler.load_state_dict(state.sampler)
+        self.record.resume(state)
+        return path, state
+
     async def run(self) -> dict[str, Any]:
-        """Train for `run.steps` steps; write the plots and metrics.json (also, with what
-        was done and the error, when the run fails) and return the summary."""
-        await self.start()
+        """Train up to `run.steps` steps (from the checkpoint `run.resume` names, if any),
+        export the model, write the plots and metrics.json (also, with what was done and
+        the error, when the run fails) and return the summary."""
+        lock = RunLock(self.out)
         try:
-            await self._train()
+            return await self._run()
+        finally:
+            lock.release()
+
+    async def _run(self) -> dict[str, Any]:
+        resumed = self._resume()
+        first_step = 0 if resumed is None else resumed[1].step
+        if first_step > self.cfg.run.steps:
+            raise ValueError(f"run.steps={self.cfg.run.steps}: the checkpoint {resumed[0]} "
+                             f"is already at step {first_step}; give run.steps >= that")
+        await self.start(None if resumed is None else resumed[0])
+        try:
+            await self._train(first_step)
+            async with phase(self.trainer):  # the last save finishes; the model goes out
+                await self.trainer.wait_checkpoint.route()
+                await self.trainer.export_model.route(str(self.out / "model"))
+            self.checkpoints.prune()
         except BaseException as err:
             self.record.write(self.out, {"failed": f"{type(err).__name__}: {err}"})
             raise
@@ -243,20 +328,27 @@ class Loop:
             / sum(s["step_s"] for s in steps),
             "engine": self.cfg.run.engine,
             "generator_respawns": self.resyncs,
+            "resumed_at": first_step or None,
+            "restarts": len(self.record.restarts),
         }
         self.record.write(self.out, summary)
         return summary
 
-    async def _train(self) -> None:
+    async def _train(self, first_step: int) -> None:
+        """Steps `first_step` to run.steps - 1 (from 0: after the untrained evaluation)."""
         await self._readings("start")
-        async with phase(self.generator):
-            untrained = await self.evaluate()
-        self.postfix["eval"] = f"{untrained:.2f}"
-        self.record.step({"step": -1, "reward": None, "eval_reward": untrained})
-        self.bar = tqdm(range(self.cfg.run.steps), desc="GRPO")
+        if first_step == 0:
+            async with phase(self.generator):
+                untrained = await self.evaluate()
+            self.record.step({"step": -1, "reward": None, "eval_reward": untrained})
+        evals = [s["eval_reward"] for s in self.record.steps if "eval_reward" in s]
+        self.postfix["eval"] = f"{evals[-1]:.2f}"
+        self.bar = tqdm(range(first_step, self.cfg.run.steps), desc="GRPO",
+                        initial=first_step, total=self.cfg.run.steps)
         for index in self.bar:
             row = await self.step(index)
             self.record.step(row)
+            self._keep_loop_state(index + 1)
             self.postfix["reward"] = f"{row['reward']:.2f}"
             if "eval_reward" in row:
                 self.postfix["eval"] = f"{row['eval_reward']:.2f}"

@@ -10,12 +10,15 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+if TYPE_CHECKING:
+    from examples.rl_loop.state import LoopState
 
 
 @dataclass
@@ -25,6 +28,7 @@ class RunRecord:
     steps: list[dict[str, Any]] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)  # t, tenant, bytes
     phases: list[tuple[float, str]] = field(default_factory=list)
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # after lost procs
     config: dict[str, Any] = field(default_factory=dict)  # the resolved configuration
     logdir: Path | None = None  # TensorBoard events go here when given
     wandb_dir: Path | None = None  # an offline W&B run goes here when given
@@ -39,6 +43,25 @@ class RunRecord:
             self.events.add_text("config", f"```\n{json.dumps(self.config, indent=2)}\n```")
         if self.wandb_dir is not None:
             self.wandb = _offline_wandb(self.wandb_dir, self.config)
+
+    def resume(self, state: LoopState) -> None:
+        """Go on from a checkpoint: what it recorded and its clock; TensorBoard hides the
+        events of steps from the checkpoint's on (a run that went further, then stopped)."""
+        self.steps, self.memory = list(state.metrics), list(state.memory)
+        self.phases, self.restarts = list(state.phases), list(state.restarts)
+        self.start = time.monotonic() - state.elapsed_s
+        if self.events is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.events.close()
+            self.events = SummaryWriter(str(self.logdir), purge_step=state.step)
+
+    def restart(self, event: dict[str, Any]) -> None:
+        """A restart of the run's slots after a lost proc (step, cause, seconds lost...)."""
+        self.restarts.append(event)
+        if self.events is not None:
+            self.events.add_scalar("run/restarts", len(self.restarts), event["step"])
+            self.events.add_text("run/restart", json.dumps(event), event["step"])
 
     def step(self, row: dict[str, Any]) -> None:
         """A step's metrics (step -1: the untrained evaluation)."""
@@ -76,7 +99,8 @@ class RunRecord:
             self.wandb = None
         (out / "metrics.json").write_text(json.dumps(
             {"config": self.config, "summary": summary, "steps": self.steps,
-             "memory": self.memory, "phases": self.phases}, indent=2))
+             "restarts": self.restarts, "memory": self.memory, "phases": self.phases},
+            indent=2))
         self._plot_reward(out / "reward.png")
         self._plot_memory(out / "memory.png")
 

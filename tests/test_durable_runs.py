@@ -1,0 +1,193 @@
+"""Durable RL runs: checkpoints of the loop, exact resume, the trained model out, and the
+faults around them (a half-written checkpoint, changed settings, a second run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples.rl_loop import task
+from examples.rl_loop.config import as_dict, load_config
+from examples.rl_loop.loop import Loop
+from examples.rl_loop.state import (
+    Checkpoints,
+    LoopState,
+    PromptSampler,
+    ResumeError,
+    RunLock,
+    find_resume,
+    identity,
+)
+
+pytestmark = pytest.mark.timeout(900)
+ROOT = Path(__file__).resolve().parents[1]
+COMPARED = ("reward", "loss", "grad_norm", "eval_reward")
+
+
+def rows(out: Path) -> dict[int, dict]:
+    steps = json.loads((out / "metrics.json").read_text())["steps"]
+    return {s["step"]: s for s in steps}
+
+
+def compared(out: Path) -> list[tuple]:
+    return [(step, *(row.get(k) for k in COMPARED)) for step, row in sorted(rows(out).items())]
+
+
+def fake_checkpoint(checkpoints: Checkpoints, step: int, config: dict, *,
+                    trainer: bool = True, loop: bool = True) -> Path:
+    """A step directory with the parts a complete checkpoint has (or not): the trainer's
+    marker files and a loop state."""
+    path = checkpoints.path(step)
+    (path / "trainer").mkdir(parents=True)
+    if trainer:
+        (path / "trainer" / ".metadata").write_bytes(b"x")
+        (path / "trainer" / "trainer.json").write_text("{}")
+    if loop:
+        LoopState(step=step, sampler=PromptSampler(0).state_dict(),
+                  identity=identity(config)).write(path / "loop.json")
+    return path
+
+
+def test_the_sampler_goes_on_from_its_saved_position():
+    a = PromptSampler(3)
+    cfg = task.TaskConfig()
+    task.sample_prompts(cfg, 5, a.rng)
+    saved = json.loads(json.dumps(a.state_dict()))  # as loop.json keeps it
+    b = PromptSampler(99)
+    b.load_state_dict(saved)
+    assert task.sample_prompts(cfg, 7, a.rng) == task.sample_prompts(cfg, 7, b.rng)
+
+
+def test_resume_picks_the_newest_complete_checkpoint_and_never_a_half_written_one(tmp_path):
+    config = as_dict(load_config())
+    checkpoints = Checkpoints(tmp_path, keep_last=2)
+    fake_checkpoint(checkpoints, 10, config)
+    fake_checkpoint(checkpoints, 20, config)
+    fake_checkpoint(checkpoints, 30, config, loop=False)  # killed before the loop's part
+    fake_checkpoint(checkpoints, 40, config, trainer=False)  # the trainer's never renamed
+    path, state = find_resume("auto", checkpoints, config)
+    assert path == checkpoints.path(20) and state.step == 20
+    assert find_resume("none", checkpoints, config) is None
+    # a run directory given as run.resume: the newest complete checkpoint under it
+    assert find_resume(str(tmp_path), checkpoints, config)[0] == checkpoints.path(20)
+    with pytest.raises(ResumeError, match="not a complete checkpoint.*give an earlier one"):
+        find_resume(str(checkpoints.path(30)), Checkpoints(tmp_path / "x", 1), config)
+    with pytest.raises(ResumeError, match="no such directory"):
+        find_resume(str(tmp_path / "nowhere"), checkpoints, config)
+    assert find_resume("auto", Checkpoints(tmp_path / "empty", 1), config) is None
+
+
+def test_prune_keeps_the_newest_complete_ones_and_a_save_in_flight(tmp_path):
+    config = as_dict(load_config())
+    checkpoints = Checkpoints(tmp_path, keep_last=2)
+    for step in (10, 20, 30):
+        fake_checkpoint(checkpoints, step, config)
+    fake_checkpoint(checkpoints, 15, config, loop=False)  # older, half-written
+    fake_checkpoint(checkpoints, 40, config, loop=False)  # the save in flight
+    checkpoints.prune()
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        ["step_00000020", "step_00000030", "step_00000040"]
+
+
+def test_a_resume_with_other_settings_is_refused_naming_them(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep_last=2)
+    fake_checkpoint(checkpoints, 10, as_dict(load_config()))
+    changed = as_dict(load_config(overrides=["grpo.lr=0.01", "run.seed=3", "run.steps=900",
+                                             "run.eval_every=7"]))
+    with pytest.raises(ResumeError) as err:
+        find_resume("auto", checkpoints, changed)
+    message = str(err.value)
+    assert "grpo.lr (0.001 -> 0.01)" in message and "run.seed (0 -> 3)" in message
+    assert "steps" not in message.split(":")[1] and "eval_every" not in message
+    assert "run.resume=none" in message
+
+
+def test_a_corrupt_loop_state_says_what_to_do(tmp_path):
+    config = as_dict(load_config())
+    checkpoints = Checkpoints(tmp_path, keep_last=2)
+    path = fake_checkpoint(checkpoints, 10, config)
+    (path / "loop.json").write_text('{"step": 10, "sampl')  # cut short
+    with pytest.raises(ResumeError, match="not a loop state.*run.resume=none"):
+        find_resume("auto", checkpoints, config)
+
+
+def test_a_second_run_into_the_same_out_is_refused(tmp_path):
+    lock = RunLock(tmp_path)
+    with pytest.raises(ResumeError, match=f"in use by another run \\(pid {os.getpid()}\\)"):
+        RunLock(tmp_path)
+    lock.release()
+    RunLock(tmp_path).release()  # free again once the first ended
+    # a second process meets the same refusal
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; "
+        "from examples.rl_loop.state import RunLock; "
+        f"RunLock(Path({str(tmp_path)!r})); print('held', flush=True); time.sleep(60)")],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ResumeError, match=f"pid {holder.pid}"):
+            RunLock(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    RunLock(tmp_path).release()  # a killed holder's lock went with it
+
+
+def test_bad_run_settings_are_refused():
+    with pytest.raises(ValueError, match="run.save_every=-1: must be >= 0"):
+        load_config(overrides=["run.save_every=-1"])
+    with pytest.raises(ValueError, match="run.keep_last=0: must be >= 1"):
+        load_config(overrides=["run.keep_last=0"])
+
+
+async def run_loop(out: Path, *overrides: str) -> dict:
+    cfg = load_config(overrides=["run.seed=7", "run.eval_every=2", "run.save_every=2",
+                                 f"run.out={out}", *overrides])
+    return await Loop(cfg).run()
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+async def test_a_resumed_run_is_the_same_run(tmp_path, parallel):
+    """3 steps, then a resume to 6 (from the checkpoint at step 3, the last of the first
+    run), give the per-step reward, loss, grad norm and eval of one 6-step run, on 2 slots
+    (the trainer a 2-proc DDP or FSDP replica); the model comes out at the end."""
+    shape = ["run.slots=2", f"trainer.parallel={parallel}"]
+    await run_loop(tmp_path / "full", "run.steps=6", *shape)
+    await run_loop(tmp_path / "part", "run.steps=3", *shape)
+    summary = await run_loop(tmp_path / "part", "run.steps=6", "run.resume=auto", *shape)
+    assert summary["resumed_at"] == 3
+    assert compared(tmp_path / "part") == compared(tmp_path / "full")
+    assert sorted(rows(tmp_path / "part")) == [-1, 0, 1, 2, 3, 4, 5]
+    kept = sorted(p.name for p in (tmp_path / "part" / "checkpoints").iterdir())
+    assert kept == ["step_00000004", "step_00000006"]  # keep_last=2
+    # the model out: a Hugging Face directory whose greedy eval is the run's final eval
+    # (transformers' generate, one prompt at a time, against the generator's padded
+    # batches: a near tie between two tokens may break the other way)
+    prompts = len(task.eval_prompts(task.TaskConfig()))
+    assert greedy_eval(tmp_path / "full" / "model") == \
+        pytest.approx(summary["final_eval_reward"], abs=2 / prompts)
+
+
+def greedy_eval(model_dir: Path) -> float:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    net = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    cfg = task.TaskConfig()
+    prompts = task.eval_prompts(cfg)
+    score = 0.0
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+            out = net.generate(ids, do_sample=False, max_new_tokens=cfg.max_new_tokens,
+                               eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.pad_token_id)
+            score += task.reward(prompt, tokenizer.decode(out[0, ids.shape[1]:],
+                                                          skip_special_tokens=True))
+    return score / len(prompts)
