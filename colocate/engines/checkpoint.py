@@ -50,6 +50,7 @@ import os
 import shutil
 import threading
 import uuid
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -58,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -72,6 +74,14 @@ from colocate import memory
 if TYPE_CHECKING:
     from colocate.engines.trainer import PolicyTrainer
 
+# a one-proc trainer saves and loads with no_dist=True on purpose; DCP still warns that it
+# is "assuming the intent is to save in a single process", from its own thread (where a
+# catch_warnings block in the caller would not reach): silence that one message
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized, assuming the intent is to", category=UserWarning)
+
+# DCP gathers every rank's failure into a CheckpointException, a BaseException
+READ_ERRORS = (Exception, CheckpointException)
 FORMAT = 1
 INFO = "trainer.json"
 FRAME = "hf"
@@ -180,8 +190,9 @@ def write_frame(frame_dir: str | os.PathLike | None, config: Any, dest: Path) ->
 
 class _CopyStager(BlockingAsyncStager):
     """DCP's blocking stager (new CPU tensors, then a copy: on CPU too, where `.to("cpu")`
-    would return the live tensors), keeping only weak references to what it staged so
-    a test can see the copy is gone after the write."""
+    would return the live tensors), keeping weak references to what it staged: `release`
+    frees that memory once the write is done, even while DCP's worker thread still holds
+    the staged dict (it lets go of its work item only after the future completes)."""
 
     def __init__(self) -> None:
         super().__init__(cache_staged_state_dict=False)
@@ -195,6 +206,22 @@ class _CopyStager(BlockingAsyncStager):
             self.staged.append(weakref.ref(local))
             self.staged_bytes += local.numel() * local.element_size()
         return staged
+
+    def release(self) -> int:
+        """Free the staged tensors' memory (call once the write is over); returns the
+        bytes freed."""
+        freed = 0
+        for ref in self.staged:
+            tensor = ref()
+            if tensor is not None and tensor.untyped_storage().nbytes():
+                freed += tensor.untyped_storage().nbytes()
+                tensor.untyped_storage().resize_(0)
+        return freed
+
+    def staged_resident(self) -> int:
+        """Bytes of staged tensors still held."""
+        return sum(t.untyped_storage().nbytes() for t in (ref() for ref in self.staged)
+                   if t is not None)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -317,11 +344,12 @@ class Checkpointer:
         del state  # from here only the staged copy (held by DCP's thread) exists
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-finish")
-        self._inflight = self._executor.submit(self._finish, upload, tmp, path, rank, group)
+        self._inflight = self._executor.submit(self._finish, upload, stager, tmp, path,
+                                               rank, group)
         if wait:
             self.wait()
 
-    def _finish(self, upload: Future, tmp: Path, path: Path, rank: int,
+    def _finish(self, upload: Future, stager: _CopyStager, tmp: Path, path: Path, rank: int,
                 group: dist.ProcessGroup | None) -> str:
         """In the background: wait for DCP's write on this rank, agree with the other
         ranks that every part is written, then rank 0 renames the directory into place."""
@@ -331,12 +359,13 @@ class Checkpointer:
         except BaseException as err:
             error = err
         del upload
-        memory.release_cached()  # the staged copy is gone: give its memory back
-        errors = [None if error is None else f"rank {rank}: {error!r}"]
+        stager.release()  # the write is over: the staged copy goes, its memory back
+        memory.release_cached()
+        mine = None if error is None else f"rank {rank}: {_short(error)}"
+        errors = [mine]
         if group is not None:
             errors = [None] * dist.get_world_size(group)
-            dist.all_gather_object(errors, None if error is None else f"rank {rank}: "
-                                   f"{error!r}", group=group)
+            dist.all_gather_object(errors, mine, group=group)
         failed = [e for e in errors if e is not None]
         outcome: str | None = None
         if rank == 0:
@@ -385,7 +414,7 @@ class Checkpointer:
         rank = trainer.rank
         try:
             saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        except Exception as err:
+        except READ_ERRORS as err:
             raise CorruptCheckpointError(f"{path / METADATA} is unreadable ({err!r}); the "
                                          "checkpoint is damaged: use an earlier one") from err
         had_optim = bool(trainer.optimizer.state)
@@ -409,7 +438,7 @@ class Checkpointer:
         try:
             dcp.load(fresh, storage_reader=dcp.FileSystemReader(path), process_group=group,
                      no_dist=group is None)
-        except Exception as err:
+        except READ_ERRORS as err:
             if not had_optim:
                 trainer.optimizer.state.clear()  # undo get_state_dict's made-up state
             raise CorruptCheckpointError(
@@ -430,7 +459,10 @@ class Checkpointer:
         del fresh, rng
         # what set_state_dict made (AdamW's state is now the tensors read) joins the tags,
         # as step() adopts what a step makes, so a sleep still covers it
-        trainer.tenancy.adopt(trainer.model, "weights")
+        # (parameters as detached views: adopting the module would take their gradients
+        # too, which belong to the "grads" stage)
+        trainer.tenancy.adopt([p.detach() for p in trainer.model.parameters()]
+                              + list(trainer.model.buffers()), "weights")
         trainer.tenancy.adopt(trainer.optimizer, "optimizer")
         grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
         if grads:
@@ -460,5 +492,13 @@ def _swap_into_place(tmp: Path, path: Path) -> None:
 
 
 def _short(err: BaseException, limit: int = 400) -> str:
-    text = f"{type(err).__name__}: {err}"
+    """`err` in one line: for DCP's CheckpointException (every rank's traceback), each
+    failed rank's own exception."""
+    if isinstance(err, CheckpointException):
+        failures = getattr(err, "failures", {}) or {}
+        text = "; ".join(f"rank {rank}: {_short(failure[0], limit)}"
+                         for rank, failure in sorted(failures.items())) or str(err)
+    else:
+        text = f"{type(err).__name__}: {err}"
+    text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit] + "..."
