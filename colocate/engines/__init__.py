@@ -11,5 +11,9 @@
   CPU (a worker extension) and vLLM's own sleep mode on CUDA.
 - `weights`: weight streams by name (bucketed), in-process publishing, shared-memory
   export, RDMA.
+- `checkpoint`: trainer checkpoints through torch.distributed.checkpoint (async, atomic,
+  resharding), `CheckpointError`s.
+- `export`: the trained model as a Hugging Face directory (from a trainer, or a checkpoint:
+  `python -m colocate.engines.export CHECKPOINT_DIR OUT_DIR`).
 - `actors`: `TrainerActor` and `GeneratorActor`, the engines as Monarch tenants.
 """

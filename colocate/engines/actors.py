@@ -19,6 +19,7 @@ from monarch.actor import endpoint
 
 from colocate.arbiter.actor import TenantActor
 from colocate.engines import generator, trainer
+from colocate.engines.export import write_hf_model
 from colocate.engines.models import load_model
 from colocate.engines.sampling import Completion, SamplingParams
 from colocate.engines.weights import (
@@ -42,6 +43,7 @@ class TrainerActor(TenantActor):
     activation_checkpointing, bucket_mb...)."""
 
     def __init__(self, model_dir: str, lr: float = 1e-3, **options: Any) -> None:
+        self.model_dir = model_dir
         self.trainer = trainer.PolicyTrainer(load_model(model_dir), lr=lr,
                                              prefix=self.tenant_name, **options)
         self.tenancy = self.trainer.tenancy
@@ -95,6 +97,35 @@ class TrainerActor(TenantActor):
     @endpoint
     def checksum(self) -> str:
         return digest(self.trainer.weights().tensors())
+
+    @endpoint
+    def save_checkpoint(self, path: str, wait: bool = True) -> None:
+        """Save the training state into directory `path`, with the model directory's
+        config and tokenizer under `path/hf` (`PolicyTrainer.save_checkpoint`). Call it on
+        every rank (a service's `route` does); `wait=False` returns once staged."""
+        self.trainer.save_checkpoint(path, wait=wait, frame_dir=self.model_dir)
+
+    @endpoint
+    def wait_checkpoint(self) -> str | None:
+        """The save in flight's final path once written (None when none was in flight);
+        raises the `CheckpointError` of a failed write. Every rank."""
+        return self.trainer.wait_checkpoint()
+
+    @endpoint
+    def load_checkpoint(self, path: str) -> None:
+        """Load a checkpoint saved by any world size (`PolicyTrainer.load_checkpoint`).
+        Every rank."""
+        self.trainer.load_checkpoint(path)
+
+    @endpoint
+    def export_model(self, out_dir: str) -> str | None:
+        """The trained model as a Hugging Face directory at `out_dir`
+        (`export.write_hf_model`). Call it on every rank: rank 0 writes and answers the
+        path, the others answer None (an FSDP rank takes part in each bucket's gather)."""
+        weights = self._full_weights()
+        if weights is None:
+            return None
+        return str(write_hf_model(weights, self.model_dir, out_dir))
 
 
 class GeneratorActor(TenantActor):

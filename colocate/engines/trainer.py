@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from colocate.arbiter.tenant import TaggedTenant
+from colocate.engines.checkpoint import Checkpointer
 from colocate.engines.fsdp_gather import gather_full
 from colocate.engines.models import decoder_layers
 from colocate.engines.weights import WeightStream, publish
@@ -79,6 +80,7 @@ class PolicyTrainer:
                                            weight_decay=weight_decay)
         self.max_grad_norm, self.device, self.steps = max_grad_norm, device, 0
         self.bucket_bytes = bucket_mb << 20
+        self.checkpoints = Checkpointer()
         publish(prefix, self.weights)
 
     @property
@@ -107,6 +109,27 @@ class PolicyTrainer:
         self.tenancy.adopt(self.optimizer, "optimizer")
         self.steps += 1
         return {**metrics, "loss": loss.item(), "grad_norm": norm.item()}
+
+    def save_checkpoint(self, path: str | os.PathLike, wait: bool = True, *,
+                        frame_dir: str | os.PathLike | None = None) -> None:
+        """Save parameters, AdamW state, `steps` and the RNG states into directory `path`
+        (`colocate.engines.checkpoint`); call it on every rank. With `wait=False` it
+        returns once the state is staged (copied in host memory) and writes in the
+        background: `wait_checkpoint()` gives the outcome. `frame_dir`: the model
+        directory whose config and tokenizer files go into `path/hf` (without it, the
+        model's config alone). The trainer must be awake (`TagPausedError` otherwise)."""
+        self.checkpoints.save(self, path, wait=wait, frame_dir=frame_dir)
+
+    def wait_checkpoint(self) -> str | None:
+        """Wait for the save in flight; its final path, or None when none was in flight.
+        A failed write raises `CheckpointError` here, naming the path."""
+        return self.checkpoints.wait()
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Load parameters, AdamW state, `steps` and RNG states from `path` (saved by any
+        world size and parallel: DCP reshards); call it on every rank. Raises a
+        `CheckpointError` and leaves the trainer as it was when `path` cannot be used."""
+        self.checkpoints.load(self, path)
 
     def weights(self) -> WeightStream:
         """The full weights by Hugging Face name, in buckets of at most `bucket_mb` (or one
