@@ -104,7 +104,8 @@ def test_a_resume_with_other_settings_is_refused_naming_them(tmp_path):
         find_resume("auto", checkpoints, changed)
     message = str(err.value)
     assert "grpo.lr (0.001 -> 0.01)" in message and "run.seed (0 -> 3)" in message
-    assert "steps" not in message.split(":")[1] and "eval_every" not in message
+    named = message.split(": ", 1)[1].split(". ")[0]  # the fields that differ
+    assert "run.steps" not in named and "eval_every" not in named
     assert "run.resume=none" in message
 
 
@@ -147,7 +148,7 @@ def test_bad_run_settings_are_refused():
 
 
 async def run_loop(out: Path, *overrides: str) -> dict:
-    cfg = load_config(overrides=["run.seed=7", "run.eval_every=2", "run.save_every=2",
+    cfg = load_config(overrides=["run.seed=7", "run.eval_every=1", "run.save_every=2",
                                  f"run.out={out}", *overrides])
     return await Loop(cfg).run()
 
