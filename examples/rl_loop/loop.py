@@ -45,11 +45,19 @@ from examples.rl_loop.state import (
     find_resume,
     identity,
 )
-from services import Service, ServiceConfig, spawn_service, sync_weights
+from services import (
+    RestartEvent,
+    Service,
+    ServiceConfig,
+    group_restarts,
+    spawn_service,
+    sync_weights,
+)
 from services.replica import Replica, ReplicaState
 
 ROOT = Path(__file__).resolve().parents[2]
 logger = logging.getLogger(__name__)
+RESTART_SEEN_S = 3.0  # a failed step waits this long for its group's restart to begin
 
 
 def model_dir(cfg: RLConfig, out: Path) -> Path:
@@ -95,6 +103,7 @@ class Loop:
         self.record = RunRecord(config=as_dict(cfg), logdir=self.out / "tensorboard",
                                 wandb_dir=self.out if cfg.run.wandb else None)
         self.bar: tqdm | None = None
+        self.stepping: asyncio.Future | None = None  # the step under way
         self.training = asyncio.Lock()  # held from a train step through its weight sync
         self.resyncs = 0  # generator replicas given the weights after a respawn
         self.postfix: dict[str, str] = {}  # the progress bar's reward, eval and phase
@@ -117,36 +126,50 @@ class Loop:
         slots = run.slots if run.colocate else 2 * run.slots
         self.rm = await init("local", gpus_per_host=slots)
         groups = ("rl", "rl") if run.colocate else ("train", "generate")
-        # no respawn for the trainer: its weights and optimizer state die with its procs,
-        # and a trainer back at step 0 would be a silent restart
+        # a lost trainer proc restarts the trainer's whole group, whose services come back
+        # in the same processes as before, and the loop reloads its last checkpoint
+        # (`_recover`); with run.max_restarts=0 the trainer does not come back: a trainer
+        # back at step 0 would be a silent restart
+        self.restarts = group_restarts(groups[0])
+        self.restarts.on_restart.append(self._abandon_step)
+        restart = {"restart": "group"} if run.max_restarts else {"respawn": False}
         self.trainer = await spawn_service(
-            ServiceConfig(procs_per_host=run.slots, resource_group=groups[0], respawn=False),
+            ServiceConfig(procs_per_host=run.slots, resource_group=groups[0], **restart),
             TrainerActor, path, lr=self.cfg.grpo.lr,
             max_grad_norm=self.cfg.grpo.max_grad_norm, name="trainer",
             **vars(self.cfg.trainer))
-        config, options = self._generator_service(groups[1])
+        config, options = self._generator_service(groups[1], restart)
         self.generator = await spawn_service(config, GeneratorActor, path,
                                              name="generator", **options)
         self.generator.on_respawn.append(self._resync)
+        await self._load(checkpoint)
+
+    async def _load(self, checkpoint: Path | None) -> None:
+        """The trainer loads `checkpoint` (None: it keeps the weights it has), then the
+        generator gets the trainer's weights (and ends awake)."""
         if checkpoint is not None:
             async with phase(self.trainer):
                 await self.trainer.load_checkpoint.route(str(checkpoint / "trainer"))
-        await sync_weights(self.trainer, self.generator)  # it starts awake, with those
+        await sync_weights(self.trainer, self.generator)
 
-    def _generator_service(self, group: str) -> tuple[ServiceConfig, dict[str, Any]]:
+    def _generator_service(self, group: str, restart: dict[str, Any]
+                           ) -> tuple[ServiceConfig, dict[str, Any]]:
         """The generator's service config and engine options. The torch engine: one
         replica per slot; vLLM on several slots: one replica over all of them (tp x dp
-        ranks, called SPMD), the node-scale hybrid engine."""
+        ranks, called SPMD), the node-scale hybrid engine. Beside the trainer it takes the
+        trainer's restart policy (one per group); on slots of its own, a lost replica is
+        respawned alone and given the weights (`_resync`)."""
         run, options = self.cfg.run, {"engine": self.cfg.run.engine}
+        shape = {"resource_group": group, **(restart if run.colocate else {})}
         if run.engine == "torch":
             # every wake comes with the trainer's weights (a sync): keep none across sleeps
-            config = ServiceConfig(num_replicas=run.slots, resource_group=group)
+            config = ServiceConfig(num_replicas=run.slots, **shape)
             options["keep_weights"] = False
         elif run.slots == 1:
-            config = ServiceConfig(resource_group=group)
+            config = ServiceConfig(**shape)
         else:
             tp = self.cfg.generator.tensor_parallel_size
-            config = ServiceConfig(procs_per_host=run.slots, resource_group=group)
+            config = ServiceConfig(procs_per_host=run.slots, **shape)
             options.update(tensor_parallel_size=tp, data_parallel_size=run.slots // tp)
         return config, options
 
@@ -343,10 +366,22 @@ class Loop:
             self.record.step({"step": -1, "reward": None, "eval_reward": untrained})
         evals = [s["eval_reward"] for s in self.record.steps if "eval_reward" in s]
         self.postfix["eval"] = f"{evals[-1]:.2f}"
-        self.bar = tqdm(range(first_step, self.cfg.run.steps), desc="GRPO",
-                        initial=first_step, total=self.cfg.run.steps)
-        for index in self.bar:
-            row = await self.step(index)
+        self.bar = tqdm(desc="GRPO", initial=first_step, total=self.cfg.run.steps)
+        index = first_step
+        while index < self.cfg.run.steps:
+            events = len(self.restarts.events)
+            self.stepping = asyncio.ensure_future(self.step(index))
+            try:
+                row = await self.stepping
+            except (Exception, asyncio.CancelledError) as failure:
+                index = await self._recover(index, failure, events)
+                self.bar.n = index
+                self.bar.refresh()
+                continue
+            finally:
+                self.stepping = None
+            index += 1
+            self.bar.update()
             self.record.step(row)
             self._keep_loop_state(index + 1)
             self.postfix["reward"] = f"{row['reward']:.2f}"
@@ -354,3 +389,55 @@ class Loop:
                 self.postfix["eval"] = f"{row['eval_reward']:.2f}"
             self.bar.set_postfix(self.postfix, refresh=False)
         self.bar.close()
+
+    async def _abandon_step(self, event: RestartEvent) -> None:
+        """The trainer's group restarts (hook): the step under way is cancelled, before its
+        held calls could reach the new generation; `_recover` goes on from there."""
+        if self.stepping is not None:
+            self.stepping.cancel()
+
+    async def _recover(self, index: int, failure: BaseException, events: int) -> int:
+        """Step `index` failed: when the trainer's group restarted for it, reload the newest
+        complete checkpoint (none yet: the start) and return the step to go on from;
+        otherwise raise the failure."""
+        event = await self._restart_for(failure, events)
+        run = self.cfg.run
+        if len(self.record.restarts) >= run.max_restarts:
+            raise RuntimeError(f"a proc of the run was lost again after {run.max_restarts} "
+                               f"restart(s) (run.max_restarts): {event.cause}") from failure
+        found = self.checkpoints.complete()
+        path = found[-1] if found else None
+        state = LoopState.read(path / "loop.json") if path else LoopState(
+            step=0, sampler=PromptSampler(run.seed).state_dict(),
+            identity=identity(self.record.config), metrics=self.record.steps[:1])
+        loading = time.monotonic()
+        await self._load(path)
+        redone = self.record.steps[len(state.metrics):]
+        self.sampler.load_state_dict(state.sampler)
+        self.record.rewind(state)
+        self.record.restart({
+            "step": index, "resumed_at": state.step, "steps_redone": index - state.step,
+            "cause": event.cause, "restart_s": event.seconds,
+            "load_and_sync_s": time.monotonic() - loading,
+            "seconds_lost": time.time() - event.detected_at
+            + sum(row["step_s"] for row in redone)})
+        logger.warning("restart %d: going on from step %d (%d step(s) to redo) after: %s",
+                       len(self.record.restarts), state.step, index - state.step, event.cause)
+        return state.step
+
+    async def _restart_for(self, failure: BaseException, events: int) -> RestartEvent:
+        """The restart of the trainer's group that `failure` (of a step that began when
+        `events` restarts had happened) came with, once it has ended; `failure` itself
+        when none began within the proc watch's detection time."""
+        deadline = time.monotonic() + RESTART_SEEN_S
+        while not self.restarts.running and len(self.restarts.events) == events:
+            if isinstance(failure, asyncio.CancelledError) or time.monotonic() > deadline:
+                raise failure
+            await asyncio.sleep(0.05)
+        if self.restarts.running:
+            await asyncio.shield(self.restarts.task)
+        event = self.restarts.events[-1]
+        if event.error is not None:
+            raise RuntimeError(f"the run's slots did not come back after a lost proc: "
+                               f"{event.error}") from failure
+        return event

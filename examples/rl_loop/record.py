@@ -45,11 +45,16 @@ class RunRecord:
             self.wandb = _offline_wandb(self.wandb_dir, self.config)
 
     def resume(self, state: LoopState) -> None:
-        """Go on from a checkpoint: what it recorded and its clock; TensorBoard hides the
-        events of steps from the checkpoint's on (a run that went further, then stopped)."""
-        self.steps, self.memory = list(state.metrics), list(state.memory)
-        self.phases, self.restarts = list(state.phases), list(state.restarts)
+        """Go on from a checkpoint: what it recorded and its clock."""
+        self.memory, self.phases = list(state.memory), list(state.phases)
+        self.restarts = list(state.restarts)
         self.start = time.monotonic() - state.elapsed_s
+        self.rewind(state)
+
+    def rewind(self, state: LoopState) -> None:
+        """Back to a checkpoint's steps: those after it are dropped (they will be run
+        again), and TensorBoard hides their events (a new writer with `purge_step`)."""
+        self.steps = list(state.metrics)
         if self.events is not None:
             from torch.utils.tensorboard import SummaryWriter
 
