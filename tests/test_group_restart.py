@@ -194,3 +194,58 @@ async def test_a_two_proc_trainer_comes_back_on_two_new_procs_and_trains(tmp_pat
         assert len(new) == 2 and not set(new) & set(old)
         metrics = await trainer.train_step.route(shift_loss, batch)  # a new world of 2
         assert metrics["loss"] == metrics["loss"]  # a number
+
+
+async def test_a_call_in_a_dead_proc_ends_within_a_second_without_a_switch():
+    """No switch runs, so no arbiter is waiting on the proc: the always-on proc watch sees
+    it die and the call ends with ReplicaLostError (Monarch alone takes about 7 s)."""
+    async with start_runtime(gpus_per_host=1):
+        service = await spawn_service(ServiceConfig(resource_group="solo"), MemoryTenant, 1,
+                                      name="solo")
+        replica = service.replicas[0]
+        pid = (await pids(replica))[0]
+        call = asyncio.ensure_future(replica.call("work", (1, 10.0), {}))
+        await until(lambda: replica.in_flight)
+        await asyncio.sleep(0.3)
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ReplicaLostError, match="proc watch"):
+            await call
+        seen = time.monotonic() - killed
+        print(f"kill -> ReplicaLostError: {seen:.3f} s")
+        assert seen < 1.5
+        await until(lambda: replica.generation == 1 and replica.state is S.HEALTHY)
+
+
+def slot_procs() -> list[int]:
+    """This process's descendants that are slot procs (started with COLOCATE_SLOT)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "COLOCATE_SLOT" in child.environ():
+                found.append(child.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+async def test_a_shutdown_during_a_restart_ends_it_and_leaves_no_proc():
+    from colocate import init
+
+    rm = await init("local", 1, 2)
+    try:
+        trainer = await spawn_service(
+            ServiceConfig(procs_per_host=2, resource_group="rl", restart="group"),
+            MemoryTenant, 1, name="trainer")
+        os.kill((await pids(trainer.replicas[0]))[0], signal.SIGKILL)
+        await until(lambda: trainer.restarts.running)
+        await asyncio.sleep(0.5)  # under way: new procs starting, or the trainer spawning
+    finally:
+        started = time.monotonic()
+        await rm.shutdown()
+    assert time.monotonic() - started < 30
+    assert not trainer.restarts.running and trainer.restarts.events == []
+    assert all(r.state is S.STOPPED for r in trainer.replicas)
+    await until(lambda: not slot_procs(), 10)

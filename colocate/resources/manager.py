@@ -13,7 +13,9 @@ arbiters, the tenants registered with them, the switch protocol and its view of 
 awake) and `faults.Faults` (which spawned actor meshes died). Its own job is the life of
 what it spawns: a spawn is checked, tracked and registered with the arbiters, or undone
 whole; a removal undoes all three. Clients (services) use its methods, and hear of
-switches and faults through a `Watcher`.
+switches and faults through a `Watcher`. Faults are seen early: an always-on `ProcWatch`
+has each host's arbiter poll the pids of the procs that run spawns. A group's procs can be
+replaced whole (`restart_group`, then `reallocate`), for clients that restart a group.
 Without GPUs, `gpus_per_host` virtual slots (plain CPU procs) stand in for them.
 """
 
