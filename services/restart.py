@@ -177,6 +177,10 @@ class GroupRestarts:
                        event.seconds, count)
         for service in services:
             service._release()
+        for service, replica in started:  # a new proc that died before it was HEALTHY
+            if self.rm.faults.has_failed(replica.tenant):  # fails now: the next restart
+                service._fail(replica, f"its proc died during the group's restart: "
+                                       f"{self.rm.faults.why(replica.tenant)}")
 
     @staticmethod
     def _recovering(service: Service) -> list[Replica]:

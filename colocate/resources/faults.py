@@ -93,6 +93,10 @@ class Faults:
     def has_failed(self, name: str) -> bool:
         return name in self._failed
 
+    def why(self, name: str) -> str | None:
+        """Why spawn `name` failed (None while it has not)."""
+        return self._failed.get(name)
+
     def alive(self, name: str) -> bool:
         """Tracked here and not failed."""
         return name in self._names and name not in self._failed
