@@ -14,12 +14,14 @@ from services.errors import (
     ServiceUnavailableError,
     WeightSyncError,
 )
+from services.restart import GroupRestarts, RestartEvent, group_restarts
 from services.service import Service
 from services.spawn import spawn_service
 from services.weight_sync import SyncReport, sync_weights
 
 __all__ = [
-    "ReplicaLostError", "Service", "ServiceAsleepError", "ServiceClosedError", "ServiceConfig",
-    "ServiceConfigError", "ServiceError", "ServiceUnavailableError", "SyncReport",
-    "WeightSyncError", "spawn_service", "sync_weights",
+    "GroupRestarts", "ReplicaLostError", "RestartEvent", "Service", "ServiceAsleepError",
+    "ServiceClosedError", "ServiceConfig", "ServiceConfigError", "ServiceError",
+    "ServiceUnavailableError", "SyncReport", "WeightSyncError", "group_restarts",
+    "spawn_service", "sync_weights",
 ]

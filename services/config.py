@@ -13,6 +13,7 @@ from colocate.checks import check_bool, check_choice, check_int, check_name, che
 
 ROUTERS = ("round_robin", "least_loaded", "sticky")
 WHEN_ASLEEP = ("wait", "wake", "fail")
+RESTARTS = ("replica", "group")
 
 
 class ServiceConfigError(ValueError):
@@ -25,6 +26,11 @@ class ServiceConfig:
 
     A replica spans `hosts_per_replica` hosts x `procs_per_host` procs (`procs_per_replica`
     is the one-host shorthand). Services naming the same `resource_group` share procs.
+
+    `restart` says what comes back when a replica fails (with `respawn`): "replica" (that
+    replica alone, on new procs for its slots) or "group" (every service of its resource
+    group, on new procs for every slot, in spawn order; see `services.restart`). Every
+    service of a group has the same policy.
     """
 
     num_replicas: int = 1
@@ -42,6 +48,7 @@ class ServiceConfig:
     # health
     max_retries: int = 2
     respawn: bool = True
+    restart: str = "replica"  # "replica" | "group": what is respawned after a failure
     # autoscaling
     scale_up_queue_depth: float = 4.0  # mean in-flight requests per awake replica
     scale_down_utilization: float = 0.1  # mean busy fraction per replica
@@ -61,6 +68,7 @@ class ServiceConfig:
             check_name("resource_group", self.resource_group, optional=True),
             check_choice("router", self.router, ROUTERS),
             check_choice("when_asleep", self.when_asleep, WHEN_ASLEEP),
+            check_choice("restart", self.restart, RESTARTS),
             *(check_number(name, getattr(self, name), above=0) for name in (
                 "wait_timeout_s", "scale_cooldown_s", "scale_up_queue_depth")),
             check_number("scale_down_utilization", self.scale_down_utilization, at_least=0,
@@ -74,6 +82,14 @@ class ServiceConfig:
         if self.procs_per_replica is not None and self.hosts_per_replica != 1:
             fail(f"procs_per_replica is for one-host replicas; hosts_per_replica="
                  f"{self.hosts_per_replica}: use procs_per_host instead")
+        if self.restart == "group" and not self.respawn:
+            fail("restart='group' restarts the group's services after a failure, but "
+                 "respawn=False says never respawn: give restart='replica' with respawn=False, "
+                 "or leave respawn=True")
+        if self.restart == "group" and self.min != self.max:
+            fail(f"restart='group' restarts a group of a fixed shape, but min_replicas="
+                 f"{self.min} and max_replicas={self.max} ask for autoscaling: give "
+                 "num_replicas alone for restart='group'")
         if self.min > self.max:
             fail(f"min_replicas={self.min} is above max_replicas={self.max}")
         if not self.min <= self.num_replicas <= self.max:

@@ -15,7 +15,9 @@ wake it, or fail with `ServiceAsleepError`. Every call ends in a result or an ex
 A replica whose proc dies is marked failed and, with `config.respawn`, started again on new
 procs for the same slots; calls go to the other replicas meanwhile, or wait for it when it
 was the last. `svc.on_respawn` hooks run on the new replica before it takes a call (an RL
-loop syncs the trainer's weights into it there, so no call meets stale weights).
+loop syncs the trainer's weights into it there, so no call meets stale weights). With
+`config.restart="group"`, the whole resource group comes back instead (`services.restart`:
+`svc.restarts`); its routed calls are held meanwhile.
 
 Waits (for an awake replica, for calls in flight to finish before a switch) sleep on the
 service's `Changes` and wake when something they wait for may have changed: a switch ended
@@ -44,6 +46,7 @@ from services.config import ServiceConfig
 from services.distributed import setup_distributed
 from services.errors import ServiceAsleepError, ServiceClosedError, ServiceUnavailableError
 from services.replica import Replica, ReplicaState, ReplicaStateError, tenant_name
+from services.restart import GroupRestarts
 from services.router import make_router
 from services.waiting import Changes
 
@@ -81,7 +84,9 @@ class Service:
         self.waiting = 0  # calls waiting for a replica
         self._changes = Changes()  # switches, finished calls, replica states, closing
         self.on_respawn: list[Callable[[Replica], Awaitable[None]]] = []
-        self._tasks: set[asyncio.Task] = set()  # respawns under way
+        self._tasks: set[asyncio.Task] = set()  # respawns (or its group's restart) under way
+        self.restarts: GroupRestarts | None = None  # its resource group's (spawn_service)
+        self.held: str | None = None  # why routed calls wait: its group restarts
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()  # the client's Monarch context
         self._watcher = Watcher(drain=self._drain, changed=self._changes.notify,
@@ -100,6 +105,8 @@ class Service:
     # -- routing -------------------------------------------------------------------------
 
     def _routable(self, exclude: set[int]) -> list[Replica]:
+        if self._holding():
+            return []
         return [r for r in self.replicas if r.state is S.HEALTHY and r.index not in exclude
                 and self.rm.routable(r.tenant)]
 
@@ -135,7 +142,12 @@ class Service:
                        if r.state is S.HEALTHY and r.index not in exclude]
             coming = [r.index for r in self.replicas
                       if r.state in (S.STARTING, S.RECOVERING)]
-            if not healthy and coming:  # the last ones are coming back: wait for them
+            if self._holding():  # its group restarts: every replica comes back
+                exclude.clear()
+                late = ServiceUnavailableError(
+                    f"service {self.name!r}: its resource group did not come back within "
+                    f"{self.config.wait_timeout_s} s of a failure: {self.held}")
+            elif not healthy and coming:  # the last ones are coming back: wait for them
                 exclude.difference_update(coming)  # a respawned one is a new replica
                 late = ServiceUnavailableError(
                     f"service {self.name!r}: no replica came back within "
@@ -166,6 +178,8 @@ class Service:
         one will not come back by itself."""
         found = "; ".join(f"replica {r.index}: {r.state.value} ({r.failure})"
                           for r in self.replicas)
+        if self.held is not None:
+            found += f"; {self.held}"
         if not self.config.respawn and any(r.state is S.FAILED for r in self.replicas):
             found += (f"; service {self.name!r} does not respawn replicas (respawn=False), "
                       "so a failed one stays failed: spawn the service again")
@@ -224,18 +238,46 @@ class Service:
         self._fail(replica, err)
         return True
 
-    def _fail(self, replica: Replica, err: BaseException | str) -> None:
-        """Mark a healthy (or leaving) replica failed; respawn a healthy one when the
-        config says so."""
+    def _fail(self, replica: Replica, err: BaseException | str,
+              tenant: str | None = None) -> None:
+        """Mark a healthy (or leaving) replica failed (when `tenant` is given, only while it
+        is still that generation); respawn a healthy one when the config says so: the
+        replica alone, or with restart="group" its whole group."""
         if replica.state not in (S.HEALTHY, S.DRAINING):
             return
+        if tenant is not None and replica.tenant != tenant:
+            return  # a late report on a generation that is gone
         why = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
         logger.warning("service %r replica %d failed: %s", self.name, replica.index, why)
         leaving = replica.state is S.DRAINING
         replica.move(S.FAILED, why.splitlines()[0] if why else repr(err))
         if self.config.respawn and not self.closed and not leaving:
+            if self.restarts is not None and self.config.restart == "group":
+                self.restarts.failed(f"service {self.name!r} replica {replica.index} "
+                                     f"({replica.tenant}): {replica.failure}")
+                return
             replica.move(S.RECOVERING)
             self._in_background(self._respawn(replica))
+
+    def _holding(self) -> bool:
+        """Routed calls wait: the group restarts (calls from its restart hooks go on)."""
+        return self.held is not None and not GroupRestarts.in_hooks(self.request.resource_group)
+
+    def _hold(self, why: str) -> None:
+        """Its group restarts: every replica counts as failed and recovering (calls in
+        flight end with ReplicaLostError), and routed calls wait until `_release`."""
+        self.held = why
+        for replica in self.replicas:
+            if replica.state is S.HEALTHY:
+                replica.move(S.FAILED, why)
+            if replica.state is S.FAILED:
+                replica.move(S.RECOVERING)
+        self._changes.notify()
+
+    def _release(self) -> None:
+        """Its group's restart ended: routed calls go on (or fail, if it failed)."""
+        self.held = None
+        self._changes.notify()
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)
@@ -246,7 +288,8 @@ class Service:
         """Monarch supervision saw `tenant` fail (called on Monarch's thread)."""
         for replica in self.replicas:
             if replica.tenant == tenant:
-                self._loop.call_soon_threadsafe(self._fail, replica, why, context=self._context)
+                self._loop.call_soon_threadsafe(self._fail, replica, why, tenant,
+                                                context=self._context)
 
     async def _respawn(self, replica: Replica) -> None:
         """Start the (recovering) replica again on new procs for the same slots, as its
@@ -319,7 +362,8 @@ class Service:
             replica.move(S.DRAINING)
         if replica.state is S.DRAINING:
             await self._drain({replica.tenant}, grace_s)
-        await self.rm.remove(replica.tenant, replica.actors)
+        if replica.actors is not None:  # None: a failed group restart stopped them
+            await self.rm.remove(replica.tenant, replica.actors)
         self.rm.free(replica.allocation)
         replica.move(S.STOPPED)
 
@@ -374,6 +418,8 @@ class Service:
         `grace_s` end with `ServiceClosedError`), then stop the replicas' actors and free
         their procs (the resource group keeps its procs for other services)."""
         await self._close(grace_s, finish_respawns=True)
+        if self.restarts is not None:
+            self.restarts.leave(self)
         for replica in self.replicas:
             if replica.state is not S.STOPPED:
                 await self.remove_replica(replica, grace_s)

@@ -9,6 +9,7 @@ from colocate.resources.manager import ResourceManager, current
 from colocate.resources.packing import ResourceRequest
 from services.autoscaler import Autoscaler
 from services.config import ServiceConfig
+from services.restart import group_restarts
 from services.service import Service
 
 _names = itertools.count()
@@ -28,7 +29,8 @@ async def spawn_service(config: ServiceConfig, actor_class: type, *args: Any,
     """Start `config.num_replicas` replicas of `actor_class(*args, **kwargs)`.
 
     Replicas of services in one resource group share procs (one per GPU), so a
-    `TenantActor` service time-shares them with the group's other services.
+    `TenantActor` service time-shares them with the group's other services. With
+    `config.restart="group"` they come back together after a failure (`services.restart`).
     """
     rm = rm or current()
     name = name or f"{actor_class.__name__.lower()}{next(_names)}"
@@ -38,6 +40,13 @@ async def spawn_service(config: ServiceConfig, actor_class: type, *args: Any,
     if not rm.has_group(group):  # room for max_replicas, so scaling up finds procs
         await rm.reserve(_group_for(request, config.max, rm.gpus_per_host))
     service = Service(name, config, actor_class, rm, request, args, kwargs)
+    restarts = group_restarts(group, rm)
+    try:
+        restarts.join(service)  # refused when the group's services restart otherwise
+    except BaseException:
+        rm.unwatch(service._watcher)
+        raise
+    service.restarts = restarts
     for _ in range(config.num_replicas):
         await service.add_replica()
     if config.min != config.max:

@@ -25,6 +25,7 @@ from monarch.actor import Actor, ActorError, concurrent_endpoint, current_actor_
 
 from colocate.arbiter.core import ArbiterConfig, SlotArbiter
 from colocate.arbiter.errors import ArbiterError
+from colocate.arbiter.pid_watch import PidWatch
 from colocate.arbiter.tenant import TaggedTenant, Tenancy, TenantInfo
 from colocate.monarch_compat import EndpointProperty
 
@@ -205,10 +206,13 @@ class Arbiter(Actor):
 
     Endpoints run concurrently; the per-slot locks inside serialize what conflicts. A switch
     answers with the host's status after it, so the caller's view needs no second call.
+    It also watches the host's slot procs, switch or not (`watch_pids`, `next_dead`: see
+    `pid_watch`).
     """
 
     def __init__(self, slots: list[int], config: ArbiterConfig | None = None) -> None:
         self.core = SlotArbiter(slots, config)
+        self.pid_watch = PidWatch()
 
     @concurrent_endpoint
     async def register(self, slot: int, name: str, actor: Any) -> TenantInfo:
@@ -244,3 +248,18 @@ class Arbiter(Actor):
     @concurrent_endpoint
     async def find_lost(self, names: list[str]) -> dict[str, str]:
         return self.core.find_lost(names)
+
+    @concurrent_endpoint
+    async def watch_pids(self, version: int, pids: list[int]) -> None:
+        """Watch exactly `pids` (this host's procs that run spawned actors) from now on."""
+        self.pid_watch.watch(version, pids)
+
+    @concurrent_endpoint
+    async def next_dead(self, timeout_s: float) -> list[int]:
+        """The watched pids that died, as soon as one has; [] after `timeout_s`."""
+        return await self.pid_watch.next_dead(timeout_s)
+
+    @concurrent_endpoint
+    async def close_watch(self) -> None:
+        """End the pid watch: polls under way and later ones answer [] at once."""
+        self.pid_watch.close()

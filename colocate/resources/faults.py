@@ -6,7 +6,9 @@ Monarch adds). Each spawn records that full name with its own name (`track`), so
 is mapped back to its spawn through that record, never by parsing the name; faults of
 meshes nobody tracks (probes, meshes already forgotten) are ignored. An arbiter that finds
 a tenant's proc dead during a switch (`TenantLostError`) reports it here too (`lost`), often
-seconds before Monarch does. Listeners (services) hear of each spawn that failed, once.
+seconds before Monarch does, and so does the always-on watch of the procs' pids (`died`:
+each spawn records the (host, pid)s of its procs, `watched` gives them per host).
+Listeners (services) hear of each spawn that failed, once.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Faults:
         self._meshes: dict[str, str] = {}  # Monarch's full mesh name -> spawn name
         self._failed: dict[str, str] = {}  # spawn name -> why
         self._unclaimed: dict[str, str] = {}  # full mesh name -> why, not tracked when seen
+        self._procs: dict[str, tuple[tuple[int, int], ...]] = {}  # spawn name -> (host, pid)s
 
     def reserve(self, name: str) -> None:
         """Take `name` for a spawn; names are unique among the meshes tracked."""
@@ -46,10 +49,11 @@ class Faults:
                                "remove them first, or choose another name")
         self._names[name] = None
 
-    def track(self, name: str, mesh: str) -> None:
-        """Record that spawn `name` is the mesh Monarch calls `mesh`. A fault of that mesh
-        seen before this record counts now."""
+    def track(self, name: str, mesh: str, procs: tuple[tuple[int, int], ...] = ()) -> None:
+        """Record that spawn `name` is the mesh Monarch calls `mesh`, on the processes
+        `procs` ((host, pid)s). A fault of that mesh seen before this record counts now."""
         self._names[name] = mesh
+        self._procs[name] = procs
         self._meshes[mesh] = name
         if mesh in self._unclaimed:
             self._fail(name, self._unclaimed.pop(mesh))
@@ -61,6 +65,26 @@ class Faults:
         if mesh is not None:
             self._meshes.pop(mesh, None)
         self._failed.pop(name, None)
+        self._procs.pop(name, None)
+
+    def watched(self) -> dict[int, set[int]]:
+        """host -> the pids of the processes that run spawns not failed yet."""
+        found: dict[int, set[int]] = {}
+        for name, procs in self._procs.items():
+            if name not in self._failed:
+                for host, pid in procs:
+                    found.setdefault(host, set()).add(pid)
+        return found
+
+    def on_procs(self, procs: set[tuple[int, int]]) -> list[str]:
+        """The spawns with a process among `procs` ((host, pid)s)."""
+        return [name for name, own in self._procs.items() if procs.intersection(own)]
+
+    def died(self, host: int, pids: list[int], why: str) -> None:
+        """Processes `pids` of `host` stopped running: every spawn on one of them failed."""
+        for name in self.on_procs({(host, pid) for pid in pids}):
+            self._fail(name, why.format(pid=next(p for h, p in self._procs[name]
+                                                 if h == host and p in pids)))
 
     def known(self, name: str) -> bool:
         """Whether `name` is a spawn tracked here (alive or failed)."""
@@ -68,6 +92,10 @@ class Faults:
 
     def has_failed(self, name: str) -> bool:
         return name in self._failed
+
+    def why(self, name: str) -> str | None:
+        """Why spawn `name` failed (None while it has not)."""
+        return self._failed.get(name)
 
     def alive(self, name: str) -> bool:
         """Tracked here and not failed."""

@@ -6,12 +6,16 @@ A resource group is placed once (first-fit GPUs, `packing`) and gets one proc pe
 services of a group share processes, CUDA contexts and torch_memory_saver. An owner never
 gets the same proc twice; different owners share procs. Procs that died are replaced for
 the same slots (`replace`), and the replacement is an allocation of its own; the dead
-procs' shared-memory files go then (`shm_files`).
+procs' shared-memory files go then (`shm_files`). A whole group can get new procs too
+(`restart`: every proc replaced, the owners' allocations `reslice`d onto them), so tenants
+that shared a process share one again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,11 +87,7 @@ class Groups:
         """Place the group and start its procs: one per GPU (or virtual slot)."""
         placement = self.inventory.place(request)
         try:
-            started = await spawn_slot_procs(
-                self.host_mesh, placement.hosts[0], len(placement.hosts),
-                placement.procs_per_host,
-                lambda h, p: placement.gpus[h][p] if placement.gpus[h] else p,
-                self.virtual or not placement.with_gpus)
+            started = await self._start_procs(placement)
         except BaseException:
             self.inventory.release(request.resource_group)
             raise
@@ -96,6 +96,53 @@ class Groups:
         logger.info("resource group %r on hosts %s, gpus %s", request.resource_group,
                     placement.hosts, placement.gpus)
         return group
+
+    def _start_procs(self, placement: Placement) -> Awaitable[SlotProcs]:
+        """One proc per GPU (or virtual slot) of a placement."""
+        return spawn_slot_procs(
+            self.host_mesh, placement.hosts[0], len(placement.hosts), placement.procs_per_host,
+            lambda h, p: placement.gpus[h][p] if placement.gpus[h] else p,
+            self.virtual or not placement.with_gpus)
+
+    async def restart(self, name: str, grace_s: float) -> tuple[Group, SlotProcs]:
+        """New procs for every slot of group `name` (same hosts, slots and GPUs), then the
+        old ones killed (their work is abandoned: forget what ran there first) and their
+        shared-memory files removed. Owners keep their cells: `reslice` gives an allocation
+        of them on the new procs. Returns the group and its old procs.
+
+        Cancelled (a shutdown) while the new procs start, it lets them start and stops
+        them, so none is left that nobody owns."""
+        group = self.get(name)
+        old = SlotProcs(group.procs, group.pids)
+        starting = asyncio.ensure_future(self._start_procs(group.placement))
+        try:
+            started = await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            try:
+                await stop_procs(await starting, grace_s, kill_first=True)
+            except Exception as err:
+                logger.warning("group %r: new procs of a cancelled restart: %s", name, err)
+            raise
+        group.procs, group.pids = started.procs, started.pids
+        await stop_procs(old, grace_s, kill_first=True)
+        return group, old
+
+    def reslice(self, allocation: Allocation) -> Allocation:
+        """`allocation`'s cells (its owner still holds them) on the group's procs now: after
+        `restart`, or instead of the replacement procs of some of them."""
+        group = self.get(allocation.group)
+        shape = group.placement
+        cells = sorted((h, p) for h in range(len(shape.hosts))
+                       for p in range(shape.procs_per_host)
+                       if group.slot(h, p) in allocation.slots)
+        hosts = sorted({h for h, _ in cells})
+        gpus = sorted({p for _, p in cells})
+        procs = select(group.procs, hosts=slice(hosts[0], hosts[-1] + 1),
+                       gpus=slice(gpus[0], gpus[-1] + 1))
+        return Allocation(allocation.group, allocation.owner, procs,
+                          tuple(group.slot(h, p) for h, p in cells), allocation.hosts,
+                          allocation.procs_per_host,
+                          pids=tuple(group.pids[h * shape.procs_per_host + p] for h, p in cells))
 
     async def allocate(self, request: ResourceRequest, owner: str) -> Allocation:
         """A slice of the group's procs for `owner`, first fit among the procs that `owner`

@@ -13,7 +13,9 @@ arbiters, the tenants registered with them, the switch protocol and its view of 
 awake) and `faults.Faults` (which spawned actor meshes died). Its own job is the life of
 what it spawns: a spawn is checked, tracked and registered with the arbiters, or undone
 whole; a removal undoes all three. Clients (services) use its methods, and hear of
-switches and faults through a `Watcher`.
+switches and faults through a `Watcher`. Faults are seen early: an always-on `ProcWatch`
+has each host's arbiter poll the pids of the procs that run spawns. A group's procs can be
+replaced whole (`restart_group`, then `reallocate`), for clients that restart a group.
 Without GPUs, `gpus_per_host` virtual slots (plain CPU procs) stand in for them.
 """
 
@@ -43,6 +45,7 @@ from colocate.resources.packing import (
     ResourceRequest,
     ResourceValueError,
 )
+from colocate.resources.proc_watch import ProcWatch
 from colocate.resources.procs import rank_of
 from colocate.resources.spawning import check_importable, check_started
 from colocate.resources.switching import Switchboard
@@ -92,6 +95,7 @@ class ResourceManager:
         self.groups = Groups(job.mesh, Inventory(job.num_hosts, gpus_per_host), virtual)
         self.faults = Faults()
         self.switchboard = Switchboard(arbiter_config, on_lost=self.faults.lost)
+        self.proc_watch: ProcWatch | None = None  # started with the arbiters
         self.watchers: list[Watcher] = []
         # name -> its actor mesh and procs per host, for usage()
         self._tenant_actors: dict[str, tuple[Any, int]] = {}
@@ -143,6 +147,30 @@ class ResourceManager:
         slots and CUDA_VISIBLE_DEVICES). The group's other procs are left as they are."""
         return await self.groups.replace(allocation)
 
+    async def restart_group(self, name: str, grace_s: float = 5.0) -> Group:
+        """New procs for every slot of group `name` (same hosts, slots and GPUs), the old
+        ones killed. What still runs there is lost: remove your spawns first (`remove(...,
+        stop=False)`); spawns left on the old procs are failed (their watchers hear it)
+        and forgotten. The owners keep their slots: `reallocate` gives each allocation's
+        cells on the new procs, so owners that shared a process share one again."""
+        group = self.groups.get(name)
+        on_old = {(host, pid) for (host, _), pid in zip(
+            (group.slot(h, p) for h in range(len(group.placement.hosts))
+             for p in range(group.placement.procs_per_host)), group.pids, strict=True)}
+        left = self.faults.on_procs(on_old)
+        self.faults.lost(left, f"its resource group {name!r} was restarted")
+        for spawn in left:
+            await self.switchboard.unregister(spawn)
+            self._tenant_actors.pop(spawn, None)
+            self.faults.forget(spawn)
+        self._watch_procs()
+        group, _ = await self.groups.restart(name, grace_s)
+        return group
+
+    def reallocate(self, allocation: Allocation) -> Allocation:
+        """The cells of `allocation` on its group's procs now (after `restart_group`)."""
+        return self.groups.reslice(allocation)
+
     def _give_back(self, allocation: Allocation) -> None:
         """`free` an allocation of the group's own procs; one on replacement procs stands
         for slots its owner still holds through its first allocation, so those stay."""
@@ -175,7 +203,10 @@ class ResourceManager:
             if tenant:
                 await check_started(actors, name, actor_class, list(allocation.slots),
                                     allocation.group)
-            self.faults.track(name, await mesh_name(actors))
+            self.faults.track(name, await mesh_name(actors), tuple(
+                (host, pid) for (host, _), pid in zip(allocation.slots, allocation.pids,
+                                                      strict=True)))
+            self._watch_procs()
             if tenant:
                 await self.switchboard.register(name, actors, allocation)
                 self._tenant_actors[name] = (actors, allocation.procs_per_host)
@@ -191,18 +222,32 @@ class ResourceManager:
         self.switchboard.forget(name)
         self._tenant_actors.pop(name, None)
         self.faults.forget(name)
+        self._watch_procs()
         await self._stop_actors(name, actors, grace_s)
         self._give_back(allocation)
 
-    async def remove(self, name: str, actors: Any, grace_s: float = 5.0) -> None:
-        """Stop spawned actors (unless they died) and forget them; their procs stay. A
-        stop that does not end within `grace_s` (its proc died unseen) is left behind."""
+    async def remove(self, name: str, actors: Any, grace_s: float = 5.0,
+                     stop: bool = True) -> None:
+        """Stop spawned actors (unless they died, or `stop` is False: their procs are about
+        to be stopped) and forget them; their procs stay. A stop that does not end within
+        `grace_s` (its proc died unseen) is left behind."""
         await self.switchboard.unregister(name)
         self._tenant_actors.pop(name, None)
         failed = self.faults.has_failed(name)
         self.faults.forget(name)
-        if not failed:
+        self._watch_procs()
+        if stop and not failed:
             await self._stop_actors(name, actors, grace_s)
+
+    def _watch_procs(self) -> None:
+        """Have the arbiters watch the procs that run spawns now."""
+        if self.proc_watch is not None:
+            self.proc_watch.watch(self.faults.watched())
+
+    def _procs_died(self, host: int, pids: list[int]) -> None:
+        """The proc watch of `host` found `pids` dead: their spawns failed."""
+        self.faults.died(host, pids, "its proc, pid {pid}, died (found by the proc watch "
+                                     f"of host {host})")
 
     @staticmethod
     async def _stop_actors(name: str, actors: Any, grace_s: float) -> None:
@@ -287,6 +332,7 @@ class ResourceManager:
         for name in self.switchboard.forget_slots(released.slots()):
             self._tenant_actors.pop(name, None)
             self.faults.forget(name)
+        self._watch_procs()
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """End what is under way, then stop every group, the arbiters and the hosts.
@@ -295,6 +341,8 @@ class ResourceManager:
         closed: calls waiting for a replica end at once, calls in flight get `grace_s` to
         finish, then end with an error. Procs are stopped gracefully, then by force."""
         self.switchboard.abort()
+        if self.proc_watch is not None:
+            await self.proc_watch.stop()
         await asyncio.gather(*(watcher.close(grace_s) for watcher in list(self.watchers)))
         for group in list(self.groups.groups):
             await self.release(group, grace_s)
@@ -343,6 +391,8 @@ async def init(scheduler: Any = "local", hosts: int = 1, gpus_per_host: int | No
                              arbiter_config=arbiter or ArbiterConfig())
         monarch.actor.unhandled_fault_hook = rm.faults.on_fault
         await rm.switchboard.start(job.mesh, gpus_per_host)
+        rm.proc_watch = ProcWatch(rm.switchboard.arbiter, job.num_hosts, rm._procs_died)
+        rm.proc_watch.start()
     except BaseException:
         job.stop()
         raise

@@ -121,21 +121,29 @@ async def spawn_slot_procs(host_mesh: Any, first_host: int, hosts: int, per_host
     return SlotProcs(procs, tuple(value["pid"] for _, value in info.items()))
 
 
-async def stop_procs(procs: SlotProcs, grace_s: float) -> None:
+async def stop_procs(procs: SlotProcs, grace_s: float, kill_first: bool = False) -> None:
     """Stop a proc mesh within `grace_s`, then kill what is left of it on this machine and
-    remove the shared-memory files its procs recorded (`shm_files`)."""
+    remove the shared-memory files its procs recorded (`shm_files`). With `kill_first`
+    (procs whose work is abandoned), kill them before Monarch's stop, which then does not
+    wait on them."""
+    if kill_first:
+        _kill(procs.pids)
     try:
         await asyncio.wait_for(procs.procs.stop(), grace_s)
     except Exception as err:  # a timeout, or procs that already died
         logger.warning("procs did not stop within %s s (%s); killing %s", grace_s, err,
                        list(procs.pids))
-    for pid in procs.pids:
+    _kill(procs.pids)
+    await _ended(procs.pids, grace_s)
+    remove_files_of(procs.pids)
+
+
+def _kill(pids: tuple[int, ...]) -> None:
+    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    await _ended(procs.pids, grace_s)
-    remove_files_of(procs.pids)
 
 
 async def _ended(pids: tuple[int, ...], timeout_s: float) -> None:

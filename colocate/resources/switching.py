@@ -75,7 +75,8 @@ class Switchboard:
             await stop_procs(self._procs, grace_s)
             self._procs = None
 
-    def _arbiter(self, host: int) -> Any:
+    def arbiter(self, host: int) -> Any:
+        """The arbiter actor of `host`."""
         return select(self._arbiters, hosts=host)
 
     # -- tenants ---------------------------------------------------------------------
@@ -87,11 +88,11 @@ class Switchboard:
         try:
             async with remote_errors():
                 infos = await asyncio.gather(*(
-                    self._arbiter(host).register.call_one(
+                    self.arbiter(host).register.call_one(
                         slot, name, rank_of(actors, i, per_host))
                     for i, (host, slot) in enumerate(allocation.slots)))
         except BaseException:  # registered nowhere, or everywhere it was undone
-            await asyncio.gather(*(self._arbiter(host).unregister.call_one(name, [slot])
+            await asyncio.gather(*(self.arbiter(host).unregister.call_one(name, [slot])
                                    for host, slot in allocation.slots), return_exceptions=True)
             self.forget(name)
             raise
@@ -105,7 +106,7 @@ class Switchboard:
         if name not in self.tenants:
             return
         async with remote_errors():
-            await asyncio.gather(*(self._arbiter(h).unregister.call_one(name, slots)
+            await asyncio.gather(*(self.arbiter(h).unregister.call_one(name, slots)
                                    for h, slots in self._by_host(name).items()))
         self.forget(name)
 
@@ -144,14 +145,14 @@ class Switchboard:
         skips a tenant that is `awake_now`.)"""
         by_host = self._by_host(name)
         await self._switch(self._neighbours(name), lambda: {
-            h: self._arbiter(h).wake.call_one(name, slots, stages)
+            h: self.arbiter(h).wake.call_one(name, slots, stages)
             for h, slots in by_host.items()})
 
     async def sleep(self, name: str) -> None:
         """Put `name` to sleep on all its slots, verified."""
         by_host = self._by_host(name)
         await self._switch({name}, lambda: {
-            h: self._arbiter(h).sleep.call_one(name, slots) for h, slots in by_host.items()})
+            h: self.arbiter(h).sleep.call_one(name, slots) for h, slots in by_host.items()})
 
     async def handoff(self, source: str, target: str, keep: list[str] | None = None,
                       first: list[str] | None = None) -> int:
@@ -176,7 +177,7 @@ class Switchboard:
 
         async def on(host: int, slots: list[int]) -> HostStatus:
             nonlocal copied
-            moved, status = await self._arbiter(host).handoff.call_one(
+            moved, status = await self.arbiter(host).handoff.call_one(
                 source, target, slots, keep, first)
             copied += moved
             return status
@@ -242,7 +243,7 @@ class Switchboard:
     async def _find_lost(self, names: set[str]) -> None:
         hosts = {host for name in names if name in self.tenants
                  for host, _ in self.tenants[name]}
-        found = await asyncio.gather(*(self._arbiter(h).find_lost.call_one(sorted(names))
+        found = await asyncio.gather(*(self.arbiter(h).find_lost.call_one(sorted(names))
                                        for h in hosts))
         for lost in found:
             for name, why in lost.items():

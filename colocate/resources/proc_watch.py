@@ -1,0 +1,79 @@
+"""The client side of the always-on proc watch: tell each host's arbiter which of its procs
+run spawned actors, long-poll it for the ones that die, and report them.
+
+Without it, a call in flight in a proc that dies while no switch runs waits for Monarch's
+supervision (about 7 s); the arbiters poll pids on their own host (`arbiter.pid_watch`), so
+this works for remote hosts too, where the client cannot see the pids. `watch(pids)` sends
+each host its set when it changed (a fire-and-forget message, versioned so that the newest
+wins); one task per host asks `next_dead` in a loop, each call returning at a death or
+after `WINDOW_S`, and hands what died to `on_dead(host, pids)`. Idle, it costs each arbiter
+a pid check every 0.1 s and one message per host every `WINDOW_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+WINDOW_S = 5.0  # the longest a poll waits before it is asked again
+CLOSE_S = 2.0  # at stop: how long the arbiters get to answer the polls under way
+
+
+class ProcWatch:
+    """One long-poll task per host over its arbiter's pid watch."""
+
+    def __init__(self, arbiter: Callable[[int], Any], hosts: int,
+                 on_dead: Callable[[int, list[int]], None]) -> None:
+        self.arbiter, self.hosts, self.on_dead = arbiter, hosts, on_dead
+        self.version = 0
+        self.sent: dict[int, set[int]] = {}  # host -> the pids it watches
+        self.closed = False
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.ensure_future(self._poll(host)) for host in range(self.hosts)]
+
+    def watch(self, pids: dict[int, set[int]]) -> None:
+        """Watch exactly `pids` (host -> pids) from now on; hosts whose set is unchanged
+        get no message."""
+        if self.closed:
+            return
+        for host in range(self.hosts):
+            now = pids.get(host, set())
+            if now != self.sent.get(host, set()):
+                self.version += 1
+                self.sent[host] = set(now)
+                self.arbiter(host).watch_pids.broadcast(self.version, sorted(now))
+
+    async def _poll(self, host: int) -> None:
+        while not self.closed:
+            try:
+                dead = await self.arbiter(host).next_dead.call_one(WINDOW_S)
+            except Exception as err:  # the arbiter is gone: the runtime is stopping
+                if not self.closed:
+                    logger.warning("the proc watch of host %d stopped: %s", host,
+                                   str(err).splitlines()[0] if str(err) else type(err).__name__)
+                return
+            if dead and not self.closed:
+                self.sent.get(host, set()).difference_update(dead)  # the arbiter dropped them
+                self.on_dead(host, dead)
+
+    async def stop(self) -> None:
+        """End the polls (the arbiters answer those under way at once), then the tasks."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            await asyncio.wait_for(asyncio.gather(*(
+                self.arbiter(host).close_watch.call_one() for host in range(self.hosts))),
+                CLOSE_S)
+        except Exception as err:
+            logger.debug("closing the proc watch: %s", err)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
