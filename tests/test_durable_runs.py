@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -192,3 +194,68 @@ def greedy_eval(model_dir: Path) -> float:
             score += task.reward(prompt, tokenizer.decode(out[0, ids.shape[1]:],
                                                           skip_special_tokens=True))
     return score / len(prompts)
+
+
+class KillingLoop(Loop):
+    """The loop, with the slot proc its trainer and generator share SIGKILLed as step
+    `kill_at` starts generating (once)."""
+
+    def __init__(self, *args, kill_at: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kill_at, self.index, self.killed_pid = kill_at, -1, 0
+
+    async def step(self, index: int):
+        self.index = index
+        return await super().step(index)
+
+    async def generate(self, prompts, params, copies):
+        if self.index == self.kill_at and not self.killed_pid:
+            info = await self.generator.replicas[0].actors.describe.call_one()
+            self.killed_pid = info.pid
+            os.kill(info.pid, signal.SIGKILL)
+        return await super().generate(prompts, params, copies)
+
+
+async def pids(service) -> set[int]:
+    infos = await service.replicas[0].actors.describe.call()
+    return {info.pid for _, info in infos.items()}
+
+
+async def test_a_killed_slot_proc_restarts_the_group_and_the_run_ends_as_if_never_killed(
+        tmp_path):
+    """SIGKILL of the proc a trainer and a generator share, in step 3: the group comes back
+    (both in one new process again), the loop reloads the checkpoint of step 2 and redoes
+    step 2, and the run ends with the per-step metrics of a run never killed, the restart
+    recorded in metrics.json and TensorBoard."""
+    await run_loop(tmp_path / "full", "run.steps=5")
+    cfg = load_config(overrides=["run.seed=7", "run.eval_every=1", "run.save_every=2",
+                                 "run.steps=5", f"run.out={tmp_path / 'killed'}"])
+    loop = KillingLoop(cfg, kill_at=3)
+    after: dict[str, set[int]] = {}
+
+    async def shared_pids(event) -> None:
+        after.update(trainer=await pids(loop.trainer), generator=await pids(loop.generator))
+
+    summary = None
+    real_start = loop.start
+
+    async def start(checkpoint=None):
+        await real_start(checkpoint)
+        loop.restarts.on_restart.append(shared_pids)
+
+    loop.start = start
+    summary = await loop.run()
+    assert loop.killed_pid and not psutil.pid_exists(loop.killed_pid)
+    assert compared(tmp_path / "killed") == compared(tmp_path / "full")
+    assert summary["restarts"] == 1
+    [restart] = json.loads((tmp_path / "killed" / "metrics.json").read_text())["restarts"]
+    assert (restart["step"], restart["resumed_at"], restart["steps_redone"]) == (3, 2, 1)
+    assert str(loop.killed_pid) in restart["cause"] or "died" in restart["cause"]
+    assert restart["seconds_lost"] > 0
+    assert after["trainer"] == after["generator"] and loop.killed_pid not in after["trainer"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "killed" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("run/restarts")] == [3]
+    assert [e.step for e in events.Scalars("rl/reward")] == [0, 1, 2, 3, 4]  # 2 redone once

@@ -108,10 +108,12 @@ async def test_the_loop_survives_a_killed_generator_replica(tmp_path):
     assert loop.resynced_sum in loop.trainer_sums[2:]
 
 
-async def test_a_killed_colocated_proc_ends_the_run_with_the_cause(tmp_path):
-    """Colocated, the kill takes the trainer too, whose weights and optimizer state cannot
-    come back: the run stops with an error that says so, and keeps the steps it finished."""
-    cfg = load_config(overrides=["run.steps=8", "run.eval_every=8", f"run.out={tmp_path}"])
+async def test_without_restarts_a_killed_colocated_proc_ends_the_run_with_the_cause(tmp_path):
+    """Colocated, the kill takes the trainer too; with run.max_restarts=0 its weights and
+    optimizer state do not come back: the run stops with an error that says so, and keeps
+    the steps it finished."""
+    cfg = load_config(overrides=["run.steps=8", "run.eval_every=8", "run.max_restarts=0",
+                                 f"run.out={tmp_path}"])
     cause = r"(?s)'generator' has no healthy.*'trainer' does not respawn.*spawn the service"
     with pytest.raises(ServiceUnavailableError, match=cause):
         await KillingLoop(cfg, kill_at=3).run()

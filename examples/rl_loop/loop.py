@@ -160,7 +160,8 @@ class Loop:
         trainer's restart policy (one per group); on slots of its own, a lost replica is
         respawned alone and given the weights (`_resync`)."""
         run, options = self.cfg.run, {"engine": self.cfg.run.engine}
-        shape = {"resource_group": group, **(restart if run.colocate else {})}
+        shared = run.colocate and restart.get("restart") == "group"
+        shape = {"resource_group": group, **(restart if shared else {})}
         if run.engine == "torch":
             # every wake comes with the trainer's weights (a sync): keep none across sleeps
             config = ServiceConfig(num_replicas=run.slots, **shape)
@@ -383,7 +384,7 @@ class Loop:
             index += 1
             self.bar.update()
             self.record.step(row)
-            self._keep_loop_state(index + 1)
+            self._keep_loop_state(index)
             self.postfix["reward"] = f"{row['reward']:.2f}"
             if "eval_reward" in row:
                 self.postfix["eval"] = f"{row['eval_reward']:.2f}"
