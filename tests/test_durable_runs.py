@@ -241,7 +241,7 @@ async def test_a_killed_slot_proc_restarts_the_group_and_the_run_ends_as_if_neve
 
     async def start(checkpoint=None):
         await real_start(checkpoint)
-        loop.restarts.on_restart.append(shared_pids)
+        loop.recovery.restarts.on_restart.append(shared_pids)
 
     loop.start = start
     summary = await loop.run()

@@ -36,6 +36,7 @@ from examples.rl_loop import task
 from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.grpo import group_advantages
 from examples.rl_loop.record import RunRecord
+from examples.rl_loop.recovery import Recovery
 from examples.rl_loop.rollouts import GRPOLoss, make_batch
 from examples.rl_loop.state import (
     Checkpoints,
@@ -46,7 +47,6 @@ from examples.rl_loop.state import (
     identity,
 )
 from services import (
-    RestartEvent,
     Service,
     ServiceConfig,
     group_restarts,
@@ -57,7 +57,6 @@ from services.replica import Replica, ReplicaState
 
 ROOT = Path(__file__).resolve().parents[2]
 logger = logging.getLogger(__name__)
-RESTART_SEEN_S = 3.0  # a failed step waits this long for its group's restart to begin
 
 
 def model_dir(cfg: RLConfig, out: Path) -> Path:
@@ -103,7 +102,6 @@ class Loop:
         self.record = RunRecord(config=as_dict(cfg), logdir=self.out / "tensorboard",
                                 wandb_dir=self.out if cfg.run.wandb else None)
         self.bar: tqdm | None = None
-        self.stepping: asyncio.Future | None = None  # the step under way
         self.training = asyncio.Lock()  # held from a train step through its weight sync
         self.resyncs = 0  # generator replicas given the weights after a respawn
         self.postfix: dict[str, str] = {}  # the progress bar's reward, eval and phase
@@ -128,10 +126,9 @@ class Loop:
         groups = ("rl", "rl") if run.colocate else ("train", "generate")
         # a lost trainer proc restarts the trainer's whole group, whose services come back
         # in the same processes as before, and the loop reloads its last checkpoint
-        # (`_recover`); with run.max_restarts=0 the trainer does not come back: a trainer
+        # (`recovery.Recovery`); with run.max_restarts=0 the trainer does not come back: a trainer
         # back at step 0 would be a silent restart
-        self.restarts = group_restarts(groups[0])
-        self.restarts.on_restart.append(self._abandon_step)
+        self.recovery = Recovery(self, group_restarts(groups[0]))
         restart = {"restart": "group"} if run.max_restarts else {"respawn": False}
         self.trainer = await spawn_service(
             ServiceConfig(procs_per_host=run.slots, resource_group=groups[0], **restart),
@@ -142,9 +139,9 @@ class Loop:
         self.generator = await spawn_service(config, GeneratorActor, path,
                                              name="generator", **options)
         self.generator.on_respawn.append(self._resync)
-        await self._load(checkpoint)
+        await self.load(checkpoint)
 
-    async def _load(self, checkpoint: Path | None) -> None:
+    async def load(self, checkpoint: Path | None) -> None:
         """The trainer loads `checkpoint` (None: it keeps the weights it has), then the
         generator gets the trainer's weights (and ends awake)."""
         if checkpoint is not None:
@@ -370,17 +367,13 @@ class Loop:
         self.bar = tqdm(desc="GRPO", initial=first_step, total=self.cfg.run.steps)
         index = first_step
         while index < self.cfg.run.steps:
-            events = len(self.restarts.events)
-            self.stepping = asyncio.ensure_future(self.step(index))
             try:
-                row = await self.stepping
+                row = await self.recovery.run(self.step(index))
             except (Exception, asyncio.CancelledError) as failure:
-                index = await self._recover(index, failure, events)
+                index = await self.recovery.recover(index, failure)
                 self.bar.n = index
                 self.bar.refresh()
                 continue
-            finally:
-                self.stepping = None
             index += 1
             self.bar.update()
             self.record.step(row)
@@ -390,55 +383,3 @@ class Loop:
                 self.postfix["eval"] = f"{row['eval_reward']:.2f}"
             self.bar.set_postfix(self.postfix, refresh=False)
         self.bar.close()
-
-    async def _abandon_step(self, event: RestartEvent) -> None:
-        """The trainer's group restarts (hook): the step under way is cancelled, before its
-        held calls could reach the new generation; `_recover` goes on from there."""
-        if self.stepping is not None:
-            self.stepping.cancel()
-
-    async def _recover(self, index: int, failure: BaseException, events: int) -> int:
-        """Step `index` failed: when the trainer's group restarted for it, reload the newest
-        complete checkpoint (none yet: the start) and return the step to go on from;
-        otherwise raise the failure."""
-        event = await self._restart_for(failure, events)
-        run = self.cfg.run
-        if len(self.record.restarts) >= run.max_restarts:
-            raise RuntimeError(f"a proc of the run was lost again after {run.max_restarts} "
-                               f"restart(s) (run.max_restarts): {event.cause}") from failure
-        found = self.checkpoints.complete()
-        path = found[-1] if found else None
-        state = LoopState.read(path / "loop.json") if path else LoopState(
-            step=0, sampler=PromptSampler(run.seed).state_dict(),
-            identity=identity(self.record.config), metrics=self.record.steps[:1])
-        loading = time.monotonic()
-        await self._load(path)
-        redone = self.record.steps[len(state.metrics):]
-        self.sampler.load_state_dict(state.sampler)
-        self.record.rewind(state)
-        self.record.restart({
-            "step": index, "resumed_at": state.step, "steps_redone": index - state.step,
-            "cause": event.cause, "restart_s": event.seconds,
-            "load_and_sync_s": time.monotonic() - loading,
-            "seconds_lost": time.time() - event.detected_at
-            + sum(row["step_s"] for row in redone)})
-        logger.warning("restart %d: going on from step %d (%d step(s) to redo) after: %s",
-                       len(self.record.restarts), state.step, index - state.step, event.cause)
-        return state.step
-
-    async def _restart_for(self, failure: BaseException, events: int) -> RestartEvent:
-        """The restart of the trainer's group that `failure` (of a step that began when
-        `events` restarts had happened) came with, once it has ended; `failure` itself
-        when none began within the proc watch's detection time."""
-        deadline = time.monotonic() + RESTART_SEEN_S
-        while not self.restarts.running and len(self.restarts.events) == events:
-            if isinstance(failure, asyncio.CancelledError) or time.monotonic() > deadline:
-                raise failure
-            await asyncio.sleep(0.05)
-        if self.restarts.running:
-            await asyncio.shield(self.restarts.task)
-        event = self.restarts.events[-1]
-        if event.error is not None:
-            raise RuntimeError(f"the run's slots did not come back after a lost proc: "
-                               f"{event.error}") from failure
-        return event
