@@ -52,7 +52,11 @@ class Changes:
                 return True
             self._waiters.append((loop, future))
         try:
-            await asyncio.wait_for(future, timeout)
+            # not asyncio.wait_for: on Python 3.11 it swallows a cancellation that meets a
+            # notify in the same loop iteration and returns the result (CPython
+            # gh-86296, fixed in 3.12), so a cancelled waiter would go on waiting
+            async with asyncio.timeout(timeout):
+                await future
         except TimeoutError:
             pass
         finally:

@@ -90,3 +90,15 @@ def test_a_waiter_on_another_loop_is_woken_from_this_one():
     changes.notify()
     thread.join(5.0)
     assert result == [True] and time.monotonic() - start < 2.0
+
+
+async def test_a_waiter_cancelled_as_a_change_lands_stays_cancelled():
+    """A cancel and a notify in the same loop iteration: the waiter ends cancelled (a
+    group restart cancels a step whose routed call waits; it must not go on waiting)."""
+    changes = Changes()
+    waiter = asyncio.ensure_future(changes.wait(changes.version, 60))
+    await asyncio.sleep(0)  # it waits now
+    changes.notify()  # its wake-up is scheduled...
+    waiter.cancel()  # ...and so is the cancellation
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
