@@ -172,6 +172,7 @@ async def run_mode(name: str, args: argparse.Namespace) -> dict[str, Any]:
     total = args.warmup + args.steps
     cfg = load_config(overrides=[
         *args.overrides, f"run.colocate={MODES[name]}", f"run.out={args.out.parent / name}",
+        "run.save_every=0",  # the step alone: no checkpoint (bench/recovery.py times those)
         f"run.steps={total + 1}", f"run.eval_every={total + 1}"])  # no evaluation
     loop = Loop(cfg)
     await loop.start()

@@ -251,7 +251,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     from examples.rl_loop.loop import Loop
 
     cfg = load_config(overrides=[*args.overrides, f"run.out={args.out}",
-                                 f"run.steps={args.steps}"])
+                                 f"run.steps={args.steps}", "run.save_every=0"])
     loop = Loop(cfg)
     await loop.start()
     deadline = time.monotonic() + args.minutes * 60

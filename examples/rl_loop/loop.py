@@ -87,6 +87,8 @@ async def resident(service: Service) -> int:
 class Loop:
     """One run: the runtime, the two services, the task, and what is recorded."""
 
+    save_waits = False  # the trainer's saves: staged, then written in the background
+
     def __init__(self, cfg: RLConfig) -> None:
         self.cfg = cfg
         self.out = Path(cfg.run.out)
@@ -283,7 +285,8 @@ class Loop:
             path = self.checkpoints.path(done)
             shutil.rmtree(path, ignore_errors=True)  # what a killed run left half-written
             path.mkdir(parents=True)
-            await self.trainer.save_checkpoint.route(str(path / "trainer"), wait=False)
+            await self.trainer.save_checkpoint.route(str(path / "trainer"),
+                                                     wait=self.save_waits)
         every = self.cfg.run.export_every
         if every and done % every == 0:
             await self.trainer.export_model.route(str(self.out / "model"))
