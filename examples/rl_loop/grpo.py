@@ -154,7 +154,7 @@ def _partial_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: s
     centered = (groups - mean) * keep
     if scale_rewards == "group":  # unbiased; a group with fewer than 2 rewards has std 0
         var = (centered**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
-        centered = centered / (var.sqrt() + eps)
+        centered = centered / torch.where(count > 1, var.sqrt() + eps, 1.0)
     elif scale_rewards == "batch":
         kept = rewards.float()[valid]
         std = kept.std() if kept.numel() > 1 else torch.zeros(())
