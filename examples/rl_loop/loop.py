@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -25,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from colocate import init, phase
@@ -36,11 +34,10 @@ from colocate.engines.tiny import write_tiny_model
 from examples.rl_loop import task
 from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.data import Row
-from examples.rl_loop.grpo import group_advantages
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.recovery import Recovery
-from examples.rl_loop.rollouts import GRPOLoss, make_batch
-from examples.rl_loop.sources import make_source
+from examples.rl_loop.rollouts import GRPOLoss, scored_batch
+from examples.rl_loop.sources import check_fits, make_source
 from examples.rl_loop.state import (
     Checkpoints,
     LoopState,
@@ -102,7 +99,7 @@ class Loop:
             self.model_dir = model_dir(cfg, self.out, self.source.alphabet)
             self.tokenizer = load_tokenizer(self.model_dir)  # checks the directory first
             self.source.prepare(self.tokenizer)
-            self._check_lengths()
+            check_fits(self.source, self.model_dir)
         except Exception as err:
             self._refused(err)
             raise
@@ -133,21 +130,6 @@ class Loop:
         if not (self.out / "metrics.json").exists():
             RunRecord(config=as_dict(self.cfg)).write(
                 self.out, {"failed": f"{type(err).__name__}: {err}"})
-
-    def _check_lengths(self) -> None:
-        """The longest prompt and a whole completion must fit the model's positions: said
-        here, not by the generator at the first step."""
-        if not hasattr(self.source, "longest_prompt"):
-            return  # the digit task: its model is built to fit it
-        config = json.loads((self.model_dir / "config.json").read_text())
-        limit = config.get("max_position_embeddings")
-        need = self.source.longest_prompt() + self.source.max_new_tokens
-        if limit is not None and need > limit:
-            raise ValueError(
-                f"the longest prompt ({self.source.longest_prompt()} tokens) and "
-                f"grpo.max_completion_length={self.source.max_new_tokens} need {need} "
-                f"positions; the model has {limit}: raise model.max_positions (the tiny "
-                "model), or lower data.max_prompt_length or grpo.max_completion_length")
 
     async def start(self, checkpoint: Path | None = None) -> None:
         """Start the runtime and both services; the trainer loads `checkpoint` when given;
@@ -286,7 +268,7 @@ class Loop:
         rows = [p for p in prompts for _ in range(cfg.grpo.group_size)]
         texts = [self.decode(c.tokens) for c in completions]
         result = await self.source.score(f"step {index}", rows, texts, completions)
-        batch, stats = self._batch(tokens, completions, result)
+        batch, stats = scored_batch(tokens, completions, result, cfg.grpo, self.pad_id)
         scored = clock()
         async with self.training:
             async with phase(self.trainer):
@@ -311,37 +293,6 @@ class Loop:
         if (index + 1) % cfg.run.eval_every == 0 or index + 1 == cfg.run.steps:
             row["eval_reward"] = await self.evaluate(f"the evaluation after step {index}")
         return row
-
-    def _batch(self, tokens: list[list[int]], completions: list, result: Any
-               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The training batch from a step's scored rollouts, and the step's reward and
-        completion statistics. Samples without a reward get advantage 0; those dropped
-        (reward.on_error=skip) and, with grpo.mask_truncated, those cut at the length limit
-        are left out of the loss (their mask is zeroed)."""
-        grpo = self.cfg.grpo
-        values = result.values
-        rewards = torch.tensor([0.0 if v is None else v for v in values])
-        valid = None
-        if any(v is None for v in values):
-            valid = torch.tensor([v is not None for v in values])
-        advantages = group_advantages(rewards, grpo.group_size, eps=grpo.eps,
-                                      scale_rewards=grpo.scale_rewards, valid=valid)
-        batch = make_batch(tokens, completions, advantages, self.pad_id)
-        truncated = [not c.stopped for c in completions]
-        left_out = set(result.dropped)
-        if grpo.mask_truncated:
-            left_out |= {i for i, cut in enumerate(truncated) if cut}
-        for i in left_out:
-            batch["mask"][i] = 0.0
-        lengths = [len(c.tokens) for c in completions]
-        scored = [v for v in values if v is not None]
-        mean = rewards.mean().item() if valid is None else (
-            sum(scored) / len(scored) if scored else None)
-        stats = {"reward": mean, **result.metrics,
-                 "completion_len_mean": sum(lengths) / len(lengths),
-                 "completion_len_min": min(lengths), "completion_len_max": max(lengths),
-                 "truncated_share": sum(truncated) / len(truncated)}
-        return batch, stats
 
     def _saves(self, done: int) -> bool:
         """Whether the loop keeps a checkpoint after `done` steps."""

@@ -6,8 +6,10 @@ task (`task`), or the user's files (`data`) scored by the user's reward function
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from colocate.engines.sampling import Completion
@@ -124,6 +126,22 @@ class UserTask:
 
     def close(self) -> None:
         self.rewards.close()
+
+
+def check_fits(source: DigitTask | UserTask, model_dir: Path) -> None:
+    """The longest prompt and a whole completion must fit the model's positions: said
+    here, not by the generator at the first step."""
+    if not hasattr(source, "longest_prompt"):
+        return  # the digit task: its model is built to fit it
+    config = json.loads((model_dir / "config.json").read_text())
+    limit = config.get("max_position_embeddings")
+    need = source.longest_prompt() + source.max_new_tokens
+    if limit is not None and need > limit:
+        raise ValueError(
+            f"the longest prompt ({source.longest_prompt()} tokens) and "
+            f"grpo.max_completion_length={source.max_new_tokens} need {need} "
+            f"positions; the model has {limit}: raise model.max_positions (the tiny "
+            "model), or lower data.max_prompt_length or grpo.max_completion_length")
 
 
 def make_source(cfg: Any) -> DigitTask | UserTask:
