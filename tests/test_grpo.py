@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from examples.rl_loop import task
 from examples.rl_loop.grpo import (
     GRPOConfig,
+    aggregate,
     group_advantages,
     grpo_loss,
     kl_k3,
@@ -153,3 +155,111 @@ def test_task_config_rejects_bad_values():
         task.TaskConfig(min_digits=3, max_digits=2)
     with pytest.raises(ValueError, match="eval_size"):
         task.TaskConfig(min_digits=1, max_digits=1, eval_size=6)  # 10 prompts in all
+
+
+# ---- the GRPO options (TRL's names), each against a hand computation on a small batch ----
+
+def _two_rows() -> dict[str, torch.Tensor]:
+    """Two sequences at ratio 1: row 0 has 3 completion tokens at advantage +1, row 1 one
+    token at advantage -1 (its other positions are padding)."""
+    old = torch.log(torch.tensor([[0.5, 0.25, 0.5], [0.5, 0.9, 0.9]]))
+    return {"logprobs": old.clone().requires_grad_(True), "old": old,
+            "advantages": torch.tensor([1.0, -1.0]),
+            "mask": torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])}
+
+
+@pytest.mark.parametrize("loss_type, want", [
+    ("dapo", -(3 * 1.0 - 1 * 1.0) / 4),          # every token weighs the same: -(3 - 1) / 4
+    ("grpo", -((3 / 3) + (-1 / 1)) / 2),          # per sequence (+1, -1), then their mean: 0
+    ("dr_grpo", -(3 - 1) / (2 * 5)),              # the sum over 2 rows x 5 (the constant)
+])
+def test_loss_type_aggregates_as_trl(loss_type, want):
+    b = _two_rows()
+    cfg = GRPOConfig(loss_type=loss_type, max_completion_length=5)
+    loss, _ = grpo_loss(b["logprobs"], b["old"], b["advantages"], b["mask"], cfg)
+    assert loss.item() == pytest.approx(want, abs=1e-6)
+
+
+def test_the_default_loss_type_is_the_token_mean_the_loop_always_used():
+    """The digit task's loss before loss_type existed: sum over the batch's tokens / tokens."""
+    assert GRPOConfig().loss_type == "dapo"
+    assert aggregate(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor(
+        [[1.0, 1.0], [1.0, 0.0]]), "dapo") == pytest.approx((1 + 2 + 3) / 3)
+    with pytest.raises(ValueError, match="needs max_completion_length"):
+        aggregate(torch.ones(1, 1), torch.ones(1, 1), "dr_grpo")
+
+
+def test_epsilon_high_clips_the_top_only():
+    """Ratio 1.25 at advantage +1: clipped at 1.2 with epsilon=0.2 (loss -1.2, no gradient);
+    with epsilon_high=0.28 it is inside (loss -1.25, a gradient); ratio 0.75 < 0.8 at
+    advantage -1 is clipped at the bottom either way (loss 0.8)."""
+    old = torch.log(torch.tensor([[0.4], [0.4]]))
+    logprobs = (old + torch.log(torch.tensor([[1.25], [0.75]]))).requires_grad_(True)
+    adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 1)
+    loss, stats = grpo_loss(logprobs, old, adv, mask, GRPOConfig(epsilon=0.2))
+    assert loss.item() == pytest.approx((-1.2 + 0.8) / 2, abs=1e-6)
+    assert stats["clip_frac"] == 1.0 and stats["clip_frac_high"] == 0.5
+    assert stats["clip_frac_low"] == 0.5
+    high, stats = grpo_loss(logprobs, old, adv, mask,
+                            GRPOConfig(epsilon=0.2, epsilon_high=0.28))
+    assert high.item() == pytest.approx((-1.25 + 0.8) / 2, abs=1e-6)
+    assert stats["clip_frac_high"] == 0.0 and stats["clip_frac_low"] == 0.5
+    high.backward()
+    assert logprobs.grad[0, 0] != 0 and logprobs.grad[1, 0] == 0
+
+
+def test_beta_adds_the_k3_kl_aggregated_like_the_loss():
+    """ref - logp = log 2 on row 0's tokens: k3 = 2 - log 2 - 1 per token; 0 on row 1."""
+    b = _two_rows()
+    ref = b["old"].clone()
+    ref[0] += torch.log(torch.tensor(2.0))
+    k3 = 2 - torch.log(torch.tensor(2.0)).item() - 1
+    for loss_type, kl_want in (("dapo", 3 * k3 / 4), ("grpo", (k3 + 0) / 2)):
+        cfg = GRPOConfig(beta=0.1, loss_type=loss_type)
+        loss, stats = grpo_loss(b["logprobs"], b["old"], b["advantages"], b["mask"], cfg,
+                                ref_logprobs=ref)
+        assert stats["kl"] == pytest.approx(kl_want, abs=1e-6)
+        assert loss.item() == pytest.approx(stats["pg_loss"] + 0.1 * kl_want, abs=1e-6)
+
+
+def test_scale_rewards_group_batch_none_as_trl():
+    rewards = torch.tensor([0.0, 1.0, 2.0, 2.0, 2.0, 4.0])  # groups of 3
+    centered = torch.tensor([-1.0, 0.0, 1.0, -2 / 3, -2 / 3, 4 / 3])
+    none = group_advantages(rewards, 3, scale_rewards="none")
+    assert torch.allclose(none, centered)
+    group = group_advantages(rewards, 3, scale_rewards="group", eps=0.0)
+    stds = torch.tensor([1.0] * 3 + [(4 / 3) ** 0.5] * 3)  # unbiased: var 1, var 4/3
+    assert torch.allclose(group, centered / stds)
+    batch = group_advantages(rewards, 3, scale_rewards="batch", eps=0.0)
+    assert torch.allclose(batch, centered / rewards.std())
+    assert torch.equal(group_advantages(rewards, 3, scale_by_std=False), none)  # old switch
+
+
+def test_samples_without_a_reward_get_zero_and_leave_the_group_stats():
+    """Group [1, ?, 3, 5]: mean 3 and unbiased std 2 over the three scored; the unscored one
+    gets 0. A group with one scored sample gets 0 everywhere."""
+    rewards = torch.tensor([1.0, 0.0, 3.0, 5.0, 7.0, 0.0, 0.0, 0.0])
+    valid = torch.tensor([True, False, True, True, True, False, False, False])
+    adv = group_advantages(rewards, 4, eps=0.0, valid=valid)
+    assert torch.allclose(adv, torch.tensor([-1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]))
+    assert torch.allclose(group_advantages(rewards, 4, scale_rewards="none", valid=valid),
+                          torch.tensor([-2.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0]))
+
+
+def test_the_old_option_names_are_aliases_of_trls():
+    cfg = GRPOConfig(clip_eps=0.3, kl_coef=0.5, scale_by_std=False)
+    assert (cfg.epsilon, cfg.beta, cfg.scale_rewards) == (0.3, 0.5, "none")
+    assert (cfg.clip_eps, cfg.kl_coef, cfg.scale_by_std) == (None, None, None)
+    assert GRPOConfig(clip_eps=0.3, epsilon=0.3).epsilon == 0.3  # the same value: fine
+    with pytest.raises(ValueError, match="clip_eps=0.3 and GRPOConfig.epsilon=0.25 disagree"):
+        GRPOConfig(clip_eps=0.3, epsilon=0.25)
+    assert dataclasses.replace(cfg, lr=0.1).epsilon == 0.3  # a replace keeps the values
+
+
+@pytest.mark.parametrize("field, value", [
+    ("epsilon", 0.0), ("epsilon_high", 0.1), ("beta", -1.0), ("loss_type", "sum"),
+    ("scale_rewards", "global"), ("max_completion_length", 0),
+])
+def test_grpo_config_rejects_bad_new_values(field, value):
+    with pytest.raises(ValueError, match=f"GRPOConfig.{field}"):
+        GRPOConfig(**{field: value})

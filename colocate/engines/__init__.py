@@ -13,6 +13,7 @@
   export, RDMA.
 - `checkpoint`: trainer checkpoints through torch.distributed.checkpoint (async, atomic,
   resharding), `CheckpointError`s.
+- `checkpoint_files`: a checkpoint directory's layout, its checks and its errors.
 - `export`: the trained model as a Hugging Face directory (from a trainer, or a checkpoint:
   `python -m colocate.engines.export CHECKPOINT_DIR OUT_DIR`).
 - `actors`: `TrainerActor` and `GeneratorActor`, the engines as Monarch tenants.

@@ -6,14 +6,8 @@ same code serves no-parallel, DDP and FSDP2 trainers, each rank writing its own 
 step count, and each rank's RNG states (torch CPU, and CUDA's on CUDA). DCP reshards on
 load: a checkpoint written by 2 FSDP ranks loads into 1 proc, into DDP, and back.
 
-A checkpoint directory (`path`):
-
-- DCP's files: `.metadata` and one `__<rank>_0.distcp` per saving rank;
-- `trainer.json`: format version, world size, parallel, steps, every parameter's Hugging
-  Face name and full shape, whether AdamW state is in it;
-- `hf/`: the model's "frame" (config.json, generation_config.json, tokenizer files) copied
-  from its model directory, so a checkpoint alone is enough to export a model
-  (`python -m colocate.engines.export`).
+The directory (DCP's files, `trainer.json`, the model's frame under `hf/`, so a checkpoint
+alone is enough to export a model) and the errors are `checkpoint_files`'.
 
 Durability:
 
@@ -59,7 +53,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -70,6 +63,25 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from colocate import memory
+from colocate.engines.checkpoint_files import (  # noqa: F401  (this module's surface)
+    FORMAT,
+    FRAME,
+    INFO,
+    METADATA,
+    READ_ERRORS,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    ModelMismatchError,
+    check_same_model,
+    is_complete,
+    one_line,
+    read_info,
+    swap_into_place,
+    write_frame,
+)
 
 if TYPE_CHECKING:
     from colocate.engines.trainer import PolicyTrainer
@@ -79,113 +91,6 @@ if TYPE_CHECKING:
 # catch_warnings block in the caller would not reach): silence that one message
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                         "uninitialized, assuming the intent is to", category=UserWarning)
-
-# DCP gathers every rank's failure into a CheckpointException, a BaseException
-READ_ERRORS = (Exception, CheckpointException)
-FORMAT = 1
-INFO = "trainer.json"
-FRAME = "hf"
-METADATA = ".metadata"
-# top-level files of a model directory that are weights, not its frame
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5",
-                   ".msgpack")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded: the message names the cause and what
-    to do."""
-
-
-class CheckpointNotFoundError(CheckpointError):
-    """No directory at the path."""
-
-
-class IncompleteCheckpointError(CheckpointError):
-    """A directory that is not a finished trainer checkpoint (no .metadata or trainer.json)."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """Files of the checkpoint could not be read (truncated, corrupt, unreadable)."""
-
-
-class ModelMismatchError(CheckpointError):
-    """A checkpoint of another model: tensor names or shapes differ."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """A save failed while writing (a full disk...): nothing was left under its path."""
-
-
-def is_complete(path: str | os.PathLike) -> bool:
-    """Whether `path` is a finished trainer checkpoint (`.metadata` and `trainer.json`
-    present); a loop uses it to skip half-written or foreign directories."""
-    path = Path(path)
-    return (path / METADATA).is_file() and (path / INFO).is_file()
-
-
-def read_info(path: str | os.PathLike) -> dict[str, Any]:
-    """The checkpoint's `trainer.json`, after checking `path` is a finished checkpoint of a
-    format this code reads. Raises a `CheckpointError`."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointNotFoundError(
-            f"no checkpoint at {path}: the directory does not exist"
-            + (" (it is a file)" if path.exists() else "")
-            + "; give a directory written by save_checkpoint")
-    if not is_complete(path):
-        missing = [name for name in (METADATA, INFO) if not (path / name).is_file()]
-        raise IncompleteCheckpointError(
-            f"{path} is not a complete trainer checkpoint: {' and '.join(missing)} missing "
-            "(a save that never finished, or another kind of directory); use an earlier "
-            "checkpoint (checkpoint.is_complete tells them apart)")
-    try:
-        info = json.loads((path / INFO).read_text())
-    except (OSError, ValueError) as err:
-        raise CorruptCheckpointError(f"{path / INFO} is unreadable ({err}); the "
-                                     "checkpoint is damaged: use an earlier one") from err
-    if info.get("format") != FORMAT:
-        raise IncompleteCheckpointError(
-            f"{path / INFO} has format {info.get('format')!r}; this code reads format "
-            f"{FORMAT}: load it with the version that wrote it")
-    return info
-
-
-def check_same_model(info: dict[str, Any], own: dict[str, tuple[int, ...]],
-                     path: str | os.PathLike) -> None:
-    """Raise `ModelMismatchError` naming the first few missing, unexpected and mis-shaped
-    tensors when the checkpoint's parameters are not `own` (name -> full shape)."""
-    saved = {name: tuple(shape) for name, shape in info["params"].items()}
-    missing = sorted(own.keys() - saved.keys())
-    unexpected = sorted(saved.keys() - own.keys())
-    shapes = [f"{name}: {list(saved[name])} in the checkpoint, {list(own[name])} here"
-              for name in sorted(own.keys() & saved.keys()) if saved[name] != own[name]]
-    if missing or unexpected or shapes:
-        parts = [f"{label} {items[:5]}" + (f" (+{len(items) - 5} more)" if len(items) > 5
-                                           else "")
-                 for label, items in (("missing from the checkpoint:", missing),
-                                      ("unexpected:", unexpected), ("mis-shaped:", shapes))
-                 if items]
-        raise ModelMismatchError(
-            f"{path} is a checkpoint of another model ({'; '.join(parts)}); nothing was "
-            "loaded: load it into the model it was saved from")
-
-
-def write_frame(frame_dir: str | os.PathLike | None, config: Any, dest: Path) -> None:
-    """The model's frame into `dest`: every top-level non-weight file of `frame_dir`
-    (config.json, tokenizer files...), and a generation_config.json made from the config
-    when the model has none. Without `frame_dir`, config.json from the model's `config`."""
-    from transformers import GenerationConfig
-
-    dest.mkdir(parents=True, exist_ok=True)
-    if frame_dir is not None:
-        for file in sorted(Path(frame_dir).iterdir()):
-            if file.is_file() and not file.name.endswith(WEIGHT_SUFFIXES) \
-                    and not file.name.endswith(".index.json"):
-                shutil.copy2(file, dest / file.name)
-    if not (dest / "config.json").is_file():
-        config.save_pretrained(dest)
-    if not (dest / "generation_config.json").is_file():
-        GenerationConfig.from_model_config(config).save_pretrained(dest)
 
 
 class _CopyStager(BlockingAsyncStager):
@@ -361,7 +266,7 @@ class Checkpointer:
         del upload
         stager.release()  # the write is over: the staged copy goes, its memory back
         memory.release_cached()
-        mine = None if error is None else f"rank {rank}: {_short(error)}"
+        mine = None if error is None else f"rank {rank}: {one_line(error)}"
         errors = [mine]
         if group is not None:
             errors = [None] * dist.get_world_size(group)
@@ -373,7 +278,7 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 try:
-                    _swap_into_place(tmp, path)
+                    swap_into_place(tmp, path)
                 except OSError as err:
                     shutil.rmtree(tmp, ignore_errors=True)
                     outcome = f"rank 0 could not rename {tmp} to {path}: {err!r}"
@@ -443,7 +348,7 @@ class Checkpointer:
                 trainer.optimizer.state.clear()  # undo get_state_dict's made-up state
             raise CorruptCheckpointError(
                 f"cannot read checkpoint {path}: its data files are truncated, corrupt or "
-                f"unreadable ({_short(err)}); the trainer was left as it was: load an "
+                f"unreadable ({one_line(err)}); the trainer was left as it was: load an "
                 "earlier checkpoint") from err
         if "optim" in fresh:
             set_state_dict(trainer.model, trainer.optimizer,
@@ -477,28 +382,3 @@ class Checkpointer:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
-
-
-def _swap_into_place(tmp: Path, path: Path) -> None:
-    """Rename the finished `tmp` to `path`; an existing `path` is moved aside first and
-    removed after, so `path` is at every moment absent, the old or the new checkpoint."""
-    old = None
-    if path.exists():
-        old = path.parent / f".old-{path.name}-{uuid.uuid4().hex[:12]}"
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _short(err: BaseException, limit: int = 400) -> str:
-    """`err` in one line: for DCP's CheckpointException (every rank's traceback), each
-    failed rank's own exception."""
-    if isinstance(err, CheckpointException):
-        failures = getattr(err, "failures", {}) or {}
-        text = "; ".join(f"rank {rank}: {_short(failure[0], limit)}"
-                         for rank, failure in sorted(failures.items())) or str(err)
-    else:
-        text = f"{type(err).__name__}: {err}"
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit] + "..."

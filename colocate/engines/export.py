@@ -37,16 +37,16 @@ from typing import Any
 
 import torch
 
-from colocate.engines.checkpoint import (
+from colocate.engines.checkpoint_files import (
     FRAME,
     READ_ERRORS,
     CheckpointError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    _short,
-    _swap_into_place,
     check_same_model,
+    one_line,
     read_info,
+    swap_into_place,
     write_frame,
 )
 from colocate.engines.weights import WeightStream
@@ -179,7 +179,7 @@ def write_hf_model(weights: WeightStream, frame_dir: str | os.PathLike,
                                                                       strict=True)
                                     for name in shard}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        _swap_into_place(tmp, out)
+        swap_into_place(tmp, out)
     except BaseException:
         for shard in opened:
             shard.file.close()
@@ -237,7 +237,7 @@ def _read(path: Path, names: list[str], specs: dict[str, tuple[tuple[int, ...], 
     except READ_ERRORS as err:
         raise CorruptCheckpointError(f"cannot read the model from checkpoint {path}: its "
                                      f"data files are truncated, corrupt or unreadable "
-                                     f"({_short(err)}); export an earlier checkpoint") from err
+                                     f"({one_line(err)}); export an earlier checkpoint") from err
     return list(state["model"].items())
 
 

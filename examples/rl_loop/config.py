@@ -4,7 +4,9 @@
               model of the shape given here, built for the run
     trainer:  how the trainer trains (`trainer.parallel=ddp|fsdp`...)
     generator: how a vLLM generator spans the slots (`generator.tensor_parallel_size=2`)
-    task:     TaskConfig fields
+    task:     TaskConfig fields (the built-in digit task)
+    data:     DataConfig fields: the user's prompt files instead of the digit task
+    reward:   RewardConfig fields: the user's reward functions for them
     grpo:     GRPOConfig fields
     run:      RunConfig fields
 
@@ -25,7 +27,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from colocate.engines.tiny import ARCHITECTURES
 from colocate.engines.trainer import BUCKET_MB, PARALLEL
+from examples.rl_loop.data import DataConfig
 from examples.rl_loop.grpo import GRPOConfig
+from examples.rl_loop.rewards import RewardConfig
 from examples.rl_loop.task import TaskConfig
 
 DEFAULT = Path(__file__).with_name("config.yaml")
@@ -127,10 +131,26 @@ class RLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
+        if self.data.used and not self.reward.funcs:
+            raise ValueError("data.train_files needs reward.funcs: the functions that score "
+                             "its completions (module:function or path/to/file.py:function)")
+        if self.reward.funcs and not self.data.used:
+            raise ValueError("reward.funcs without data.train_files: the digit task has its "
+                             "own reward; give your prompts in data.train_files")
+        if self.data.used and self.grpo.max_completion_length is None:
+            raise ValueError("data.train_files needs grpo.max_completion_length: the most "
+                             "tokens a completion may have (the digit task sets its own)")
+        if self.grpo.beta > 0:
+            # the reference model (a third tenant beside the trainer and the generator) is
+            # not built yet: the loss term is, and is tested, but nothing computes its input
+            raise ValueError(f"grpo.beta={self.grpo.beta}: the KL to a reference model is not "
+                             "built yet (the reference tenant); use grpo.beta=0")
         tp = self.generator.tensor_parallel_size
         if self.run.slots % tp:
             raise ValueError(f"generator.tensor_parallel_size={tp} does not divide "

@@ -15,27 +15,63 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+# the names this config had before TRL's were adopted: old name -> (new name, old -> new)
+ALIASES = {"clip_eps": ("epsilon", float), "kl_coef": ("beta", float),
+           "scale_by_std": ("scale_rewards", lambda on: "group" if on else "none")}
+
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    """GRPO's knobs, validated here, once. The defaults were measured on the toy task of
+    """GRPO's knobs, validated here, once, named as TRL names them (`epsilon`, `beta`,
+    `loss_type`, `scale_rewards`...). The defaults were measured on the toy task of
     `examples.rl_loop.task` with the loop's default policy (a random 2-layer, 64-wide
     transformers Llama): held-out reward from 0.06 to 0.67 in 150 steps and 0.87 in 300
     (seed 0). With the project's earlier Llama, lr 3e-3 stalled near 0.45 on some seeds and
-    1e-2 collapsed."""
+    1e-2 collapsed.
+
+    `clip_eps`, `kl_coef` and `scale_by_std` are the earlier names of `epsilon`, `beta` and
+    `scale_rewards` (True: "group", False: "none"): still accepted, resolved into the new
+    fields here (and set back to None), refused when they disagree with them."""
 
     group_size: int = 4  # samples per prompt; advantages are relative within a group
     prompts_per_step: int = 32
     temperature: float = 1.0  # for sampling and for the log-probabilities of the loss
-    clip_eps: float = 0.2  # PPO ratio clip: [1 - clip_eps, 1 + clip_eps]
-    kl_coef: float = 0.0  # weight of the k3 KL to the reference policy; 0 needs no reference
-    scale_by_std: bool = True  # divide advantages by the group's std (Dr. GRPO: False)
+    epsilon: float = 0.2  # PPO ratio clip: [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float | None = None  # DAPO's clip-higher; None: epsilon
+    beta: float = 0.0  # weight of the k3 KL to the reference policy; 0 needs no reference
+    # how the per-token losses become one number: "dapo" (today's default) is the mean over
+    # every completion token of the batch; "grpo" the mean over each sequence's tokens, then
+    # over sequences; "dr_grpo" the sum over tokens / (sequences x max_completion_length)
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"  # divide advantages by the group's std, the batch's, or not
+    max_completion_length: int | None = None  # new tokens per completion; None: the task's
+    mask_truncated: bool = False  # completions cut at the length limit left out of the loss
     updates_per_batch: int = 2  # optimizer steps on one batch of rollouts (GRPO's mu)
     lr: float = 1e-3
     max_grad_norm: float = 1.0
-    eps: float = 1e-6  # added to the group std
+    eps: float = 1e-6  # added to the std the advantages are divided by
+    clip_eps: float | None = None  # alias of epsilon
+    kl_coef: float | None = None  # alias of beta
+    scale_by_std: bool | None = None  # alias of scale_rewards
 
     def __post_init__(self) -> None:
+        for old, (new, convert) in ALIASES.items():
+            value = getattr(self, old)
+            if value is None:
+                continue
+            self._check(old, value)  # refused under the name the user gave
+            default = type(self).__dataclass_fields__[new].default
+            mapped = convert(value)
+            if getattr(self, new) not in (default, mapped):
+                raise ValueError(f"GRPOConfig.{old}={value} and GRPOConfig.{new}="
+                                 f"{getattr(self, new)!r} disagree: {old} is the old name "
+                                 f"of {new}; give {new} only")
+            object.__setattr__(self, new, mapped)
+            object.__setattr__(self, old, None)
+        for name in ("epsilon", "beta"):
+            self._check(name, getattr(self, name))
         if self.group_size < 2:
             raise ValueError(f"GRPOConfig.group_size={self.group_size}: must be >= 2 "
                              "(a group of one has no relative advantage)")
@@ -45,29 +81,84 @@ class GRPOConfig:
         for name in ("temperature", "lr", "max_grad_norm", "eps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"GRPOConfig.{name}={getattr(self, name)}: must be > 0")
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"GRPOConfig.clip_eps={self.clip_eps}: must be in (0, 1)")
-        if self.kl_coef < 0:
-            raise ValueError(f"GRPOConfig.kl_coef={self.kl_coef}: must be >= 0")
+        if self.epsilon_high is not None and not self.epsilon_high >= self.epsilon:
+            raise ValueError(f"GRPOConfig.epsilon_high={self.epsilon_high}: must be >= "
+                             f"epsilon ({self.epsilon}); DAPO's clip-higher raises the top")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"GRPOConfig.loss_type={self.loss_type!r}: use one of "
+                             f"{LOSS_TYPES}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"GRPOConfig.scale_rewards={self.scale_rewards!r}: use one of "
+                             f"{SCALE_REWARDS}")
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ValueError(f"GRPOConfig.max_completion_length={self.max_completion_length}"
+                             ": must be >= 1")
+
+    @staticmethod
+    def _check(name: str, value: float) -> None:
+        """The clip and the KL weight, under either of their names."""
+        if name in ("epsilon", "clip_eps") and not 0 < value < 1:
+            raise ValueError(f"GRPOConfig.{name}={value}: must be in (0, 1)")
+        if name in ("beta", "kl_coef") and value < 0:
+            raise ValueError(f"GRPOConfig.{name}={value}: must be >= 0")
 
     @property
     def batch_size(self) -> int:
         """Sequences per step: prompts_per_step x group_size."""
         return self.prompts_per_step * self.group_size
 
+    @property
+    def clip_high(self) -> float:
+        """The ratio's upper clip: 1 + (epsilon_high, or epsilon)."""
+        return 1 + (self.epsilon if self.epsilon_high is None else self.epsilon_high)
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool | None = None,
+                     eps: float = 1e-6, *, scale_rewards: str = "group",
+                     valid: torch.Tensor | None = None) -> torch.Tensor:
     """Per-sequence advantages [B] from rewards [B] laid out group by group: each reward minus
-    its group's mean, divided by the group's std + eps when `scale_by_std` (the std is the
-    unbiased one, as in TRL). A group whose rewards are all equal gets zeros."""
+    its group's mean, divided (`scale_rewards`, as TRL) by its group's std + eps ("group"),
+    by the whole batch's std + eps ("batch"), or not at all ("none"); stds are the unbiased
+    ones, as in TRL. `scale_by_std` is the old switch (True: "group", False: "none"). A group
+    whose rewards are all equal gets zeros.
+
+    `valid` [B] (bool) marks the sequences that have a reward: the others (every reward
+    function skipped them, or their scoring failed) are left out of the means and stds and
+    get advantage 0."""
+    if scale_by_std is not None:
+        scale_rewards = "group" if scale_by_std else "none"
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)}: expected [B] with B a "
                          f"multiple of group_size={group_size}")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards={scale_rewards!r}: use one of {SCALE_REWARDS}")
+    if valid is not None and not bool(valid.all()):
+        return _partial_advantages(rewards, group_size, scale_rewards, eps, valid)
     groups = rewards.float().view(-1, group_size)
     centered = groups - groups.mean(dim=1, keepdim=True)
-    if scale_by_std:
+    if scale_rewards == "group":
         centered = centered / (groups.std(dim=1, keepdim=True) + eps)
+    elif scale_rewards == "batch":
+        centered = centered / (rewards.float().std() + eps)
+    return centered.view(-1)
+
+
+def _partial_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str,
+                        eps: float, valid: torch.Tensor) -> torch.Tensor:
+    """`group_advantages` where only the `valid` sequences count (a separate path: with every
+    sequence valid, the plain one gives the loop's advantages bit for bit as before)."""
+    keep = valid.view(-1, group_size).float()
+    groups = torch.where(valid, rewards.float(), 0.0).view(-1, group_size)
+    count = keep.sum(dim=1, keepdim=True)
+    mean = groups.sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centered = (groups - mean) * keep
+    if scale_rewards == "group":  # unbiased; a group with fewer than 2 rewards has std 0
+        var = (centered**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
+        centered = centered / torch.where(count > 1, var.sqrt() + eps, 1.0)
+    elif scale_rewards == "batch":
+        kept = rewards.float()[valid]
+        std = kept.std() if kept.numel() > 1 else torch.zeros(())
+        centered = centered / (std + eps)
     return centered.view(-1)
 
 
@@ -103,37 +194,62 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tens
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's
-    k3, as in the GRPO paper and TRL): exp(ref - logp) - (ref - logp) - 1, always >= 0."""
+    k3, veRL's "low_var_kl", as in the GRPO paper and TRL): exp(ref - logp) - (ref - logp)
+    - 1, always >= 0."""
     delta = ref_logprobs - logprobs
     return torch.exp(delta) - delta - 1
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str,
+              max_completion_length: int | None = None) -> torch.Tensor:
+    """Per-token values [B, T] to one number, `loss_type` as TRL: "dapo" the mean over every
+    masked token of the batch, "grpo" the mean over each sequence's tokens then over the
+    sequences, "dr_grpo" the sum over tokens divided by B x max_completion_length (a
+    constant: long and short completions weigh by their length, without a length bias)."""
+    if loss_type == "dapo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "grpo":
+        per_sequence = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+        return per_sequence.mean()
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length (its divisor)")
+        return (per_token * mask).sum() / (per_token.shape[0] * max_completion_length)
+    raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
 
 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
               mask: torch.Tensor, cfg: GRPOConfig,
               ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped policy-gradient loss, averaged over all completion tokens of the batch
-    (each token weighs the same), plus kl_coef x the k3 KL to the reference policy.
+    """The clipped policy-gradient loss (ratio clipped to [1 - epsilon, 1 + epsilon_high]),
+    aggregated by `cfg.loss_type` (the default "dapo": every completion token weighs the
+    same), plus beta x the k3 KL to the reference policy, aggregated the same way.
 
     `logprobs` [B, T] carries the gradient; `old_logprobs` [B, T] are the sampling policy's;
-    `advantages` [B] are one per sequence. Returns the loss and its statistics: the mean
-    policy-gradient term, the mean KL (0 without a reference), the fraction of tokens whose
-    ratio was clipped, and the mean ratio."""
-    if cfg.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logprobs")
+    `advantages` [B] are one per sequence. Returns the loss and its statistics: the
+    policy-gradient term, the KL (0 without a reference), the fraction of tokens whose ratio
+    was clipped (in all, below and above), and the mean ratio."""
+    if cfg.beta > 0 and ref_logprobs is None:
+        raise ValueError(f"beta={cfg.beta} needs ref_logprobs")
     tokens = mask.sum().clamp(min=1.0)
     ratio = torch.exp(logprobs - old_logprobs.detach())
     adv = advantages.detach().unsqueeze(-1)
     unclipped = ratio * adv
-    clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv
-    pg = -(torch.minimum(unclipped, clipped) * mask).sum() / tokens
+    clipped = ratio.clamp(1 - cfg.epsilon, cfg.clip_high) * adv
+    pg = aggregate(-torch.minimum(unclipped, clipped), mask, cfg.loss_type,
+                   cfg.max_completion_length)
     loss = pg
     kl = torch.zeros(())
     if ref_logprobs is not None:
-        kl = (kl_k3(logprobs, ref_logprobs.detach()) * mask).sum() / tokens
-        loss = loss + cfg.kl_coef * kl
+        kl = aggregate(kl_k3(logprobs, ref_logprobs.detach()), mask, cfg.loss_type,
+                       cfg.max_completion_length)
+        loss = loss + cfg.beta * kl
     with torch.no_grad():
-        was_clipped = ((clipped < unclipped).float() * mask).sum() / tokens
+        was_clipped = (clipped < unclipped).float() * mask
+        low = was_clipped * (ratio < 1 - cfg.epsilon)
         mean_ratio = (ratio * mask).sum() / tokens
-    stats = {"pg_loss": pg.item(), "kl": kl.item(), "clip_frac": was_clipped.item(),
+    stats = {"pg_loss": pg.item(), "kl": kl.item(), "clip_frac": (was_clipped.sum() /
+             tokens).item(), "clip_frac_low": (low.sum() / tokens).item(),
+             "clip_frac_high": ((was_clipped - low).sum() / tokens).item(),
              "ratio": mean_ratio.item()}
     return loss, stats

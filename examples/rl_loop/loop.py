@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from colocate import init, phase
@@ -34,14 +33,14 @@ from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
 from examples.rl_loop import task
 from examples.rl_loop.config import RLConfig, as_dict
-from examples.rl_loop.grpo import group_advantages
+from examples.rl_loop.data import Row
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.recovery import Recovery
-from examples.rl_loop.rollouts import GRPOLoss, make_batch
+from examples.rl_loop.rollouts import GRPOLoss, scored_batch
+from examples.rl_loop.sources import check_fits, make_source
 from examples.rl_loop.state import (
     Checkpoints,
     LoopState,
-    PromptSampler,
     RunLock,
     find_resume,
     identity,
@@ -59,14 +58,15 @@ ROOT = Path(__file__).resolve().parents[2]
 logger = logging.getLogger(__name__)
 
 
-def model_dir(cfg: RLConfig, out: Path) -> Path:
+def model_dir(cfg: RLConfig, out: Path, alphabet: str = task.ALPHABET) -> Path:
     """The initial policy's Hugging Face directory, which every engine loads: `model.path`,
-    or a tiny random model over the task's characters written under `out` (as
-    base_model/: `out/model` is the trained one)."""
+    or a tiny random model over the task's characters (`alphabet`: the digit task's, or
+    every character of the user's data) written under `out` (as base_model/: `out/model` is
+    the trained one)."""
     m = cfg.model
     if m.path is not None:
         return Path(m.path)
-    return write_tiny_model(out / "base_model", m.architecture, alphabet=task.ALPHABET,
+    return write_tiny_model(out / "base_model", m.architecture, alphabet=alphabet,
                             hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
                             kv_heads=m.kv_heads, intermediate_size=m.intermediate_size,
                             max_positions=m.max_positions, init_std=m.init_std, seed=m.seed)
@@ -94,12 +94,25 @@ class Loop:
         self.out = Path(cfg.run.out)
         # transformers' per-load progress bars (here and in the procs) would bury the loop's
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        self.model_dir = model_dir(cfg, self.out)
-        self.tokenizer = load_tokenizer(self.model_dir)  # checks the directory first
+        try:
+            # the prompts and the reward functions first: a bad file, column or function is
+            # refused before anything is built
+            self.source = make_source(cfg)
+            self.model_dir = model_dir(cfg, self.out, self.source.alphabet)
+            self.tokenizer = load_tokenizer(self.model_dir)  # checks the directory first
+            self.source.prepare(self.tokenizer)
+            check_fits(self.source, self.model_dir)
+        except Exception as err:
+            self._refused(err)
+            raise
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
-        self.sampler = PromptSampler(cfg.run.seed)
+        self.sampler = self.source.sampler
+        self.sampler_start = self.sampler.state_dict()  # where a restart before any save goes
+        # the loss's dr_grpo divisor is the completion limit in force, the task's by default
+        self.grpo = dataclasses.replace(cfg.grpo,
+                                        max_completion_length=self.source.max_new_tokens)
         self.checkpoints = Checkpoints(self.out / "checkpoints", cfg.run.keep_last)
         self.record = RunRecord(config=as_dict(cfg), logdir=self.out / "tensorboard",
                                 wandb_dir=self.out if cfg.run.wandb else None)
@@ -107,11 +120,18 @@ class Loop:
         self.training = asyncio.Lock()  # held from a train step through its weight sync
         self.resyncs = 0  # generator replicas given the weights after a respawn
         self.postfix: dict[str, str] = {}  # the progress bar's reward, eval and phase
-        self.sampling = SamplingParams(max_new_tokens=cfg.task.max_new_tokens,
+        self.sampling = SamplingParams(max_new_tokens=self.source.max_new_tokens,
                                        temperature=cfg.grpo.temperature,
                                        stop_token_ids=(self.tokenizer.eos_token_id,))
-        self.greedy = SamplingParams(max_new_tokens=cfg.task.max_new_tokens, temperature=0,
+        self.greedy = SamplingParams(max_new_tokens=self.source.max_new_tokens, temperature=0,
                                      stop_token_ids=(self.tokenizer.eos_token_id,))
+
+    def _refused(self, err: Exception) -> None:
+        """A run refused at its start (a bad data file, column, reward function...) still
+        leaves metrics.json saying why, unless an earlier run's is there (never lost)."""
+        if not (self.out / "metrics.json").exists():
+            RunRecord(config=as_dict(self.cfg)).write(
+                self.out, {"failed": f"{type(err).__name__}: {err}"})
 
     async def start(self, checkpoint: Path | None = None) -> None:
         """Start the runtime and both services; the trainer loads `checkpoint` when given;
@@ -181,6 +201,7 @@ class Loop:
         self.resyncs += 1
 
     async def stop(self) -> None:
+        self.source.close()
         await self.rm.shutdown()
 
     async def _readings(self, label: str) -> None:
@@ -192,10 +213,10 @@ class Loop:
         for name, service in (("trainer", self.trainer), ("generator", self.generator)):
             self.record.reading(name, await resident(service))
 
-    async def generate(self, prompts: list[str], params: SamplingParams, copies: int
+    async def generate(self, prompts: list[Row], params: SamplingParams, copies: int
                        ) -> tuple[list[list[int]], list]:
         """`copies` completions per prompt, spread over the generator's replicas."""
-        tokens = [self.encode(p) for p in prompts for _ in range(copies)]
+        tokens = [p.tokens for p in prompts for _ in range(copies)]
         chunks = max(1, len(self.generator.replicas))
         size = -(-len(tokens) // chunks)
         parts = await asyncio.gather(*(
@@ -218,11 +239,17 @@ class Loop:
         return params if params.seed is None else dataclasses.replace(params,
                                                                        seed=params.seed + first)
 
-    async def evaluate(self) -> float:
-        prompts = task.eval_prompts(self.cfg.task)
-        _, completions = await self.generate(prompts, self.greedy, 1)
-        rewards = [task.reward(p, self.decode(c.tokens))
-                   for p, c in zip(prompts, completions, strict=True)]
+    async def evaluate(self, where: str = "the evaluation") -> float:
+        """The mean reward of greedy completions of the held-out prompts (those the reward
+        functions gave none left out)."""
+        rows = self.source.eval_rows()
+        _, completions = await self.generate(rows, self.greedy, 1)
+        texts = [self.decode(c.tokens) for c in completions]
+        scored = await self.source.score(where, rows, texts, completions)
+        rewards = [v for v in scored.values if v is not None]
+        if not rewards:
+            logger.warning("%s: no eval prompt got a reward: eval reward 0", where)
+            return 0.0
         return sum(rewards) / len(rewards)
 
     async def step(self, index: int) -> dict[str, Any]:
@@ -234,19 +261,16 @@ class Loop:
             woken = clock()
             await self._readings("generate")
             generating = clock()
-            prompts = task.sample_prompts(cfg.task, cfg.grpo.prompts_per_step,
-                                          self.sampler.rng)
+            prompts = self.source.sample(cfg.grpo.prompts_per_step)
             sampling = dataclasses.replace(self.sampling,
                                            seed=cfg.run.seed * 1_000_003 + index * 10_007)
             tokens, completions = await self.generate(prompts, sampling,
                                                       cfg.grpo.group_size)
         generated = clock()
-        texts = [p for p in prompts for _ in range(cfg.grpo.group_size)]
-        rewards = torch.tensor([task.reward(p, self.decode(c.tokens))
-                                for p, c in zip(texts, completions, strict=True)])
-        advantages = group_advantages(rewards, cfg.grpo.group_size, cfg.grpo.scale_by_std,
-                                      cfg.grpo.eps)
-        batch = make_batch(tokens, completions, advantages, self.pad_id)
+        rows = [p for p in prompts for _ in range(cfg.grpo.group_size)]
+        texts = [self.decode(c.tokens) for c in completions]
+        result = await self.source.score(f"step {index}", rows, texts, completions)
+        batch, stats = scored_batch(tokens, completions, result, cfg.grpo, self.pad_id)
         scored = clock()
         async with self.training:
             async with phase(self.trainer):
@@ -254,7 +278,7 @@ class Loop:
                 await self._readings("train")
                 training = clock()
                 for _ in range(cfg.grpo.updates_per_batch):
-                    metrics = await self.trainer.train_step.route(GRPOLoss(cfg.grpo), batch)
+                    metrics = await self.trainer.train_step.route(GRPOLoss(self.grpo), batch)
                 trained = clock()
                 await self._keep(index + 1)
                 kept = clock()
@@ -262,14 +286,14 @@ class Loop:
         synced = clock()
         await self._readings("sync")
         readings = (generating - woken) + (training - trainer_woken)
-        row = {"step": index, "reward": rewards.mean().item(), **metrics,
+        row = {"step": index, **stats, **metrics,
                "generate_s": generated - generating, "score_s": scored - generated,
                "train_s": trained - training, "save_s": kept - trained,
                "switch_s": (woken - start) + (trainer_woken - scored),
                "sync_s": synced - kept, "step_s": synced - start - readings,
                "readings_s": readings + (clock() - synced)}
         if (index + 1) % cfg.run.eval_every == 0 or index + 1 == cfg.run.steps:
-            row["eval_reward"] = await self.evaluate()
+            row["eval_reward"] = await self.evaluate(f"the evaluation after step {index}")
         return row
 
     def _saves(self, done: int) -> bool:
@@ -354,6 +378,7 @@ class Loop:
             "generator_respawns": self.resyncs,
             "resumed_at": first_step or None,
             "restarts": len(self.record.restarts),
+            **self.source.summary,
         }
         self.record.write(self.out, summary)
         return summary
@@ -363,7 +388,7 @@ class Loop:
         await self._readings("start")
         if first_step == 0:
             async with phase(self.generator):
-                untrained = await self.evaluate()
+                untrained = await self.evaluate("the untrained evaluation")
             self.record.step({"step": -1, "reward": None, "eval_reward": untrained})
         evals = [s["eval_reward"] for s in self.record.steps if "eval_reward" in s]
         self.postfix["eval"] = f"{evals[-1]:.2f}"

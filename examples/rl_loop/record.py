@@ -116,7 +116,11 @@ class RunRecord:
         evals = [s for s in self.steps if "eval_reward" in s]
         ax.plot([s["step"] for s in evals], [s["eval_reward"] for s in evals], "o-",
                 label="eval reward (greedy, held-out)")
-        ax.set(xlabel="step", ylabel="reward", ylim=(0, 1), title=self._title())
+        # a user's weighted reward functions may score outside [0, 1]
+        seen = [v for s in self.steps for v in (s.get("reward"), s.get("eval_reward"))
+                if isinstance(v, int | float)]
+        ax.set(xlabel="step", ylabel="reward", title=self._title(),
+               ylim=(min([0.0, *seen]), max([1.0, *seen])))
         ax.legend()
         fig.tight_layout()
         fig.savefig(path)

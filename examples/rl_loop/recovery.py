@@ -26,7 +26,7 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from examples.rl_loop.state import LoopState, PromptSampler, identity
+from examples.rl_loop.state import LoopState, identity
 from services import RestartEvent
 from services.restart import GroupRestarts
 
@@ -72,7 +72,7 @@ class Recovery:
         found = loop.checkpoints.complete()
         path = found[-1] if found else None
         state = LoopState.read(path / "loop.json") if path else LoopState(
-            step=0, sampler=PromptSampler(run.seed).state_dict(),
+            step=0, sampler=loop.sampler_start,
             identity=identity(record.config), metrics=record.steps[:1])
         loading = time.monotonic()
         await loop.load(path)

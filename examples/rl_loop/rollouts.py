@@ -1,19 +1,29 @@
 """From rollouts to a training batch, and the loss the trainer runs on it.
 
 `make_batch` packs prompts and sampled completions (with the generator's log-probs and the
-group-relative advantages) into tensors; `GRPOLoss` is what `TrainerActor.train_step` calls
-on each data-parallel rank, on that rank's share of the rows.
+group-relative advantages) into tensors; `scored_batch` makes those advantages from a
+step's rewards first, with the step's reward and completion statistics; `GRPOLoss` is what
+`TrainerActor.train_step` calls on each data-parallel rank, on that rank's share of the
+rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from colocate.engines.sampling import Completion
-from examples.rl_loop.grpo import GRPOConfig, grpo_loss, pack_batch, token_logprobs
+from examples.rl_loop.grpo import (
+    GRPOConfig,
+    group_advantages,
+    grpo_loss,
+    pack_batch,
+    token_logprobs,
+)
+from examples.rl_loop.sources import Scored
 
 
 def make_batch(prompts: list[list[int]], completions: list[Completion],
@@ -30,6 +40,38 @@ def make_batch(prompts: list[list[int]], completions: list[Completion],
         valid[row, :end] = True
     return {"input_ids": input_ids, "targets": targets, "mask": mask, "valid": valid,
             "old_logprobs": old, "advantages": advantages}
+
+
+def scored_batch(tokens: list[list[int]], completions: list[Completion], result: Scored,
+                 grpo: GRPOConfig, pad_id: int
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The training batch from a step's scored rollouts, and the step's reward and
+    completion statistics. Samples without a reward get advantage 0; those dropped
+    (reward.on_error=skip) and, with grpo.mask_truncated, those cut at the length limit
+    are left out of the loss (their mask is zeroed)."""
+    values = result.values
+    rewards = torch.tensor([0.0 if v is None else v for v in values])
+    valid = None
+    if any(v is None for v in values):
+        valid = torch.tensor([v is not None for v in values])
+    advantages = group_advantages(rewards, grpo.group_size, eps=grpo.eps,
+                                  scale_rewards=grpo.scale_rewards, valid=valid)
+    batch = make_batch(tokens, completions, advantages, pad_id)
+    truncated = [not c.stopped for c in completions]
+    left_out = set(result.dropped)
+    if grpo.mask_truncated:
+        left_out |= {i for i, cut in enumerate(truncated) if cut}
+    for i in left_out:
+        batch["mask"][i] = 0.0
+    lengths = [len(c.tokens) for c in completions]
+    scored = [v for v in values if v is not None]
+    mean = rewards.mean().item() if valid is None else (
+        sum(scored) / len(scored) if scored else None)
+    stats = {"reward": mean, **result.metrics,
+             "completion_len_mean": sum(lengths) / len(lengths),
+             "completion_len_min": min(lengths), "completion_len_max": max(lengths),
+             "truncated_share": sum(truncated) / len(truncated)}
+    return batch, stats
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,10 @@ from colocate.engines.checkpoint import is_complete
 FORMAT = 1
 # The settings that make a run what it is: a resume that changes one is a different run.
 # run.steps may grow; where the output goes, how often it saves or evaluates, and how the
-# trainer is sharded (DCP reshards its checkpoint) may change.
-IDENTITY = ("model", "task", "grpo", "run.seed", "run.engine")
+# trainer is sharded (DCP reshards its checkpoint) may change; so may reward.workers (where
+# the reward functions run, not what they say).
+IDENTITY = ("model", "task", "data", "reward.funcs", "reward.weights", "reward.on_error",
+            "grpo", "run.seed", "run.engine")
 
 
 class ResumeError(RuntimeError):

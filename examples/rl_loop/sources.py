@@ -1,0 +1,149 @@
+"""Where a run's prompts come from and how their completions are scored: the built-in digit
+task (`task`), or the user's files (`data`) scored by the user's reward functions
+(`rewards`). The loop sees one interface: `sample(n)` and `eval_rows()` give `data.Row`s,
+`score(...)` gives `Scored`, and `sampler` is the position that a checkpoint keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from colocate.engines.sampling import Completion
+from examples.rl_loop import task
+from examples.rl_loop.data import DataSampler, Row, characters, read_rows, render
+from examples.rl_loop.rewards import RESERVED, RewardFunctions
+from examples.rl_loop.state import PromptSampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Scored:
+    """A batch's rewards: one per sample, None where there is none (every function skipped
+    the sample, or it was dropped), and what goes into the step's metrics row."""
+
+    values: list[float | None]
+    dropped: list[int] = field(default_factory=list)  # left out of the loss too
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class DigitTask:
+    """The built-in task (`examples.rl_loop.task`), exactly as before data files existed: the
+    same prompts from the same generator state, the same rewards."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg.task
+        self.sampler = PromptSampler(cfg.run.seed)
+        self.alphabet = task.ALPHABET
+        self.max_new_tokens = cfg.grpo.max_completion_length or cfg.task.max_new_tokens
+        self.summary: dict[str, Any] = {}
+
+    def prepare(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def _row(self, prompt: str) -> Row:
+        return Row(prompt=prompt, text=prompt, tokens=self.tokenizer(prompt).input_ids,
+                   columns={})
+
+    def sample(self, n: int) -> list[Row]:
+        return [self._row(p) for p in task.sample_prompts(self.cfg, n, self.sampler.rng)]
+
+    def eval_rows(self) -> list[Row]:
+        return [self._row(p) for p in task.eval_prompts(self.cfg)]
+
+    async def score(self, where: str, rows: list[Row], texts: list[str],
+                    completions: list[Completion]) -> Scored:
+        return Scored([task.reward(row.prompt, text)
+                       for row, text in zip(rows, texts, strict=True)])
+
+    def close(self) -> None:
+        pass
+
+
+class UserTask:
+    """The user's prompt files and reward functions. Built from the config alone: the files
+    are read and the functions loaded here, so a missing file, column or function is
+    refused before any proc starts; `prepare` then renders the prompts with the model's
+    tokenizer."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg, self.seed = cfg.data, cfg.run.seed
+        key = self.cfg.prompt_key
+        self.raw = {"train": read_rows(self.cfg.train_files, "data.train_files", key),
+                    "eval": read_rows(self.cfg.eval_files, "data.eval_files", key)}
+        clash = sorted({c for rows in self.raw.values() for row in rows for c in row}
+                       & set(RESERVED))
+        if clash:
+            raise ValueError(f"data: the column(s) {clash} would clash with the arguments "
+                             f"every reward function gets {RESERVED}: rename them")
+        self.rewards = RewardFunctions(cfg.reward)
+        self.alphabet = characters(self.raw["train"] + self.raw["eval"])
+        self.max_new_tokens = cfg.grpo.max_completion_length
+        self.summary: dict[str, Any] = {}
+
+    def prepare(self, tokenizer: Any) -> None:
+        """Render both splits; count (and log) the prompts dropped as too long."""
+        self.train, dropped = render(self.raw["train"], self.cfg, tokenizer,
+                                     "data.train_files")
+        self.eval, eval_dropped = render(self.raw["eval"], self.cfg, tokenizer,
+                                         "data.eval_files")
+        self.columns = list(dict.fromkeys(c for row in self.train + self.eval
+                                          for c in row.columns))
+        self.sampler = DataSampler(len(self.train), self.seed)
+        self.summary = {"train_prompts": len(self.train), "eval_prompts": len(self.eval),
+                        "prompts_too_long": {"train": dropped, "eval": eval_dropped}}
+        if dropped or eval_dropped:
+            logger.warning("dropped %d training and %d eval prompt(s) longer than "
+                           "data.max_prompt_length=%d tokens", dropped, eval_dropped,
+                           self.cfg.max_prompt_length)
+
+    def longest_prompt(self) -> int:
+        return max(len(row.tokens) for row in self.train + self.eval)
+
+    def sample(self, n: int) -> list[Row]:
+        return [self.train[i] for i in self.sampler.sample(n)]
+
+    def eval_rows(self) -> list[Row]:
+        return list(self.eval)
+
+    async def score(self, where: str, rows: list[Row], texts: list[str],
+                    completions: list[Completion]) -> Scored:
+        """The weighted sum of the reward functions, TRL's arguments: chat prompts get
+        their completions as messages too."""
+        shown = [[{"role": "assistant", "content": text}] if row.chat else text
+                 for row, text in zip(rows, texts, strict=True)]
+        scores = await self.rewards.score(
+            where, [row.prompt for row in rows], shown, [c.tokens for c in completions],
+            {c: [row.columns.get(c) for row in rows] for c in self.columns})
+        if scores.skipped:
+            logger.warning("%s: %d sample(s) scored None by every reward function: "
+                           "advantage 0", where, len(scores.skipped))
+        return Scored(scores.values, scores.dropped, scores.metrics())
+
+    def close(self) -> None:
+        self.rewards.close()
+
+
+def check_fits(source: DigitTask | UserTask, model_dir: Path) -> None:
+    """The longest prompt and a whole completion must fit the model's positions: said
+    here, not by the generator at the first step."""
+    if not hasattr(source, "longest_prompt"):
+        return  # the digit task: its model is built to fit it
+    config = json.loads((model_dir / "config.json").read_text())
+    limit = config.get("max_position_embeddings")
+    need = source.longest_prompt() + source.max_new_tokens
+    if limit is not None and need > limit:
+        raise ValueError(
+            f"the longest prompt ({source.longest_prompt()} tokens) and "
+            f"grpo.max_completion_length={source.max_new_tokens} need {need} "
+            f"positions; the model has {limit}: raise model.max_positions (the tiny "
+            "model), or lower data.max_prompt_length or grpo.max_completion_length")
+
+
+def make_source(cfg: Any) -> DigitTask | UserTask:
+    """The run's prompt source: the user's files with `data.train_files`, else the digits."""
+    return UserTask(cfg) if cfg.data.used else DigitTask(cfg)
