@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from test_rl_loop import KillingLoop  # SIGKILLs the generator's proc as a step starts
 
 from examples.rl_loop import task
 from examples.rl_loop.config import as_dict, load_config
@@ -194,26 +194,6 @@ def greedy_eval(model_dir: Path) -> float:
             score += task.reward(prompt, tokenizer.decode(out[0, ids.shape[1]:],
                                                           skip_special_tokens=True))
     return score / len(prompts)
-
-
-class KillingLoop(Loop):
-    """The loop, with the slot proc its trainer and generator share SIGKILLed as step
-    `kill_at` starts generating (once)."""
-
-    def __init__(self, *args, kill_at: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.kill_at, self.index, self.killed_pid = kill_at, -1, 0
-
-    async def step(self, index: int):
-        self.index = index
-        return await super().step(index)
-
-    async def generate(self, prompts, params, copies):
-        if self.index == self.kill_at and not self.killed_pid:
-            info = await self.generator.replicas[0].actors.describe.call_one()
-            self.killed_pid = info.pid
-            os.kill(info.pid, signal.SIGKILL)
-        return await super().generate(prompts, params, copies)
 
 
 async def pids(service) -> set[int]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,9 +98,9 @@ def read_rows(files: list[str], setting: str, prompt_key: str) -> list[dict[str,
     return rows
 
 
-def _read(path: Path, setting: str) -> Iterator[Any]:
-    """The rows of one file or save_to_disk directory, through `datasets` when it is
-    installed, else with the standard library (JSON) and pyarrow (Parquet, Arrow)."""
+def _read(path: Path, setting: str) -> list[Any]:
+    """The rows of one file or save_to_disk directory, read by `datasets` (local files
+    only). What it cannot read is refused naming the file (a JSON Lines file: the line)."""
     if not path.is_dir() and path.suffix not in FORMATS:
         raise ValueError(f"{setting}: {path}: not a data file this loop reads (use "
                          f"{', '.join(FORMATS)}, or a save_to_disk directory)")
@@ -109,49 +108,34 @@ def _read(path: Path, setting: str) -> Iterator[Any]:
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
         raise ValueError(f"{setting}: {path} holds several splits ({', '.join(splits)}): "
                          f"give one split's directory, e.g. {path / (splits or ['train'])[0]}")
+    if path.suffix in (".json", ".jsonl") and not path.read_text().strip():
+        return []  # datasets says only "corresponds to no data"
+    import datasets
+
+    kind = "parquet" if path.suffix == ".parquet" else "json"
     try:
-        import datasets
-    except ImportError:
-        datasets = None
-    if datasets is not None:
         if path.is_dir():
-            yield from datasets.load_from_disk(str(path)).to_list()
-        else:
-            kind = "parquet" if path.suffix == ".parquet" else "json"
-            yield from datasets.load_dataset(kind, data_files=str(path), split="train").to_list()
-        return
-    if path.is_dir():
-        import pyarrow as pa
-
-        state = json.loads((path / "state.json").read_text())
-        for part in state["_data_files"]:
-            with pa.memory_map(str(path / part["filename"])) as source:
-                yield from pa.ipc.open_stream(source).read_all().to_pylist()
-    elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        yield from pq.read_table(path).to_pylist()
-    elif path.suffix == ".jsonl":
-        with path.open() as lines:
-            for number, line in enumerate(lines, 1):
-                if line.strip():
-                    yield _json(line, path, number, setting)
-    else:
-        data = _json(path.read_text(), path, None, setting)
-        if isinstance(data, dict):  # columns: {"prompt": [...], "answer": [...]}
-            names = list(data)
-            yield from (dict(zip(names, values, strict=True))
-                        for values in zip(*data.values(), strict=True))
-        else:
-            yield from data
+            return datasets.load_from_disk(str(path)).to_list()
+        return datasets.load_dataset(kind, data_files=str(path), split="train").to_list()
+    except Exception as err:
+        if path.suffix == ".jsonl":
+            _check_lines(path, setting)  # names the first line that is not JSON
+        cause = err.__cause__ or err
+        first = str(cause).splitlines()[0] if str(cause) else ""
+        raise ValueError(f"{setting}: {path}: datasets cannot read it as "
+                         f"{'a save_to_disk directory' if path.is_dir() else kind} "
+                         f"({type(cause).__name__}: {first})") from err
 
 
-def _json(text: str, path: Path, line: int | None, setting: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        where = f"{path}, line {line}" if line else str(path)
-        raise ValueError(f"{setting}: {where}: not JSON ({err})") from None
+def _check_lines(path: Path, setting: str) -> None:
+    with path.open() as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{setting}: {path}, line {number}: not JSON ({err})") from None
 
 
 def characters(rows: list[dict[str, Any]]) -> str:
