@@ -169,6 +169,16 @@ async def test_a_resumed_run_is_the_same_run(tmp_path, parallel):
     assert sorted(rows(tmp_path / "part")) == [-1, 0, 1, 2, 3, 4, 5]
     kept = sorted(p.name for p in (tmp_path / "part" / "checkpoints").iterdir())
     assert kept == ["step_00000004", "step_00000006"]  # keep_last=2
+    # the command makes the same directory from the run's last checkpoint
+    from safetensors.torch import load_file
+
+    from colocate.engines.export import export_checkpoint
+
+    exported = export_checkpoint(tmp_path / "part" / "checkpoints" / "step_00000006",
+                                 tmp_path / "exported")
+    ours, theirs = (load_file(d / "model.safetensors")
+                    for d in (exported, tmp_path / "part" / "model"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     # the model out: a Hugging Face directory whose greedy eval is the run's final eval
     # (transformers' generate, one prompt at a time, against the generator's padded
     # batches: a near tie between two tokens may break the other way)

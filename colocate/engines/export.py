@@ -44,6 +44,7 @@ from colocate.engines.checkpoint_files import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     check_same_model,
+    is_complete,
     one_line,
     read_info,
     swap_into_place,
@@ -243,8 +244,12 @@ def _read(path: Path, names: list[str], specs: dict[str, tuple[tuple[int, ...], 
 
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike,
                       max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = False) -> Path:
-    """A trainer checkpoint as a Hugging Face model directory at `out_dir`."""
-    frame = Path(checkpoint_dir) / FRAME
+    """A trainer checkpoint as a Hugging Face model directory at `out_dir`. A directory
+    holding one as its `trainer/` part (a step of the RL loop's run) is taken for it."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not is_complete(checkpoint_dir) and is_complete(checkpoint_dir / "trainer"):
+        checkpoint_dir = checkpoint_dir / "trainer"
+    frame = checkpoint_dir / FRAME
     return write_hf_model(checkpoint_weights(checkpoint_dir), frame, out_dir,
                           max_shard_bytes, progress=progress)
 
