@@ -16,5 +16,9 @@
 - `checkpoint_files`: a checkpoint directory's layout, its checks and its errors.
 - `export`: the trained model as a Hugging Face directory (from a trainer, or a checkpoint:
   `python -m colocate.engines.export CHECKPOINT_DIR OUT_DIR`).
-- `actors`: `TrainerActor` and `GeneratorActor`, the engines as Monarch tenants.
+- `reference`: `ReferencePolicy`, the frozen starting weights (GRPO's KL reference), a
+  tenant that keeps only its weights.
+- `parallel`: joining a replica's torch.distributed group, FSDP2 sharding.
+- `actors`: `TrainerActor`, `GeneratorActor` and `ReferenceActor`, the engines as Monarch
+  tenants.
 """

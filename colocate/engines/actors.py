@@ -1,4 +1,5 @@
-"""The engines as colocated tenants: `TrainerActor` and `GeneratorActor` on Monarch procs.
+"""The engines as colocated tenants: `TrainerActor`, `GeneratorActor` and `ReferenceActor`
+on Monarch procs.
 
 Both load the same local Hugging Face directory (`models.load_model`; vLLM loads it
 itself), so they start with the same weights. Each hands its engine's tenancy to
@@ -21,6 +22,7 @@ from colocate.arbiter.actor import TenantActor
 from colocate.engines import generator, trainer
 from colocate.engines.export import write_hf_model
 from colocate.engines.models import load_model
+from colocate.engines.reference import ForwardFn, ReferencePolicy
 from colocate.engines.sampling import Completion, SamplingParams
 from colocate.engines.weights import (
     RemoteWeights,
@@ -169,3 +171,24 @@ class GeneratorActor(TenantActor):
     @endpoint
     def checksum(self) -> str:
         return digest(self.engine.weights().tensors())
+
+
+class ReferenceActor(TenantActor):
+    """A frozen `ReferencePolicy` (the starting weights) on each proc of a replica, laid out
+    like the trainer beside it (`parallel`, `mixed_precision`); `forward(fn, batch)` runs
+    `fn(model, batch)` without gradients. Call it on every rank together (a service's
+    `route` does): under FSDP each forward gathers the layers from every rank."""
+
+    def __init__(self, model_dir: str, parallel: str = "ddp",
+                 mixed_precision: bool = False) -> None:
+        self.reference = ReferencePolicy(load_model(model_dir), prefix=self.tenant_name,
+                                         parallel=parallel, mixed_precision=mixed_precision)
+        self.tenancy = self.reference.tenancy
+
+    @endpoint
+    def forward(self, fn: ForwardFn, batch: Any) -> Any:
+        return self.reference.forward(fn, batch)
+
+    @endpoint
+    def checksum(self) -> str:
+        return self.reference.checksum()

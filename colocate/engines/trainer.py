@@ -34,11 +34,10 @@ from torch.nn.parallel import DistributedDataParallel
 from colocate.arbiter.tenant import TaggedTenant
 from colocate.engines.checkpoint import Checkpointer
 from colocate.engines.fsdp_gather import gather_full
-from colocate.engines.models import decoder_layers
+from colocate.engines.parallel import PARALLEL, distributed_env, join_group, shard
 from colocate.engines.weights import WeightStream, publish
 
 STAGES = {"weights": True, "optimizer": True, "grads": False}  # stage -> kept across a sleep
-PARALLEL = ("ddp", "fsdp")
 BUCKET_MB = 256  # default bound on the full tensors gathered at once from an FSDP trainer
 
 LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]
@@ -67,12 +66,12 @@ class PolicyTrainer:
         self.model = model.to(device).train()
         if activation_checkpointing:
             self.model.gradient_checkpointing_enable({"use_reentrant": False})
-        self.parallel = parallel if _distributed_env() else "none"
+        self.parallel = parallel if distributed_env() else "none"
         self.module: torch.nn.Module = self.model
         if self.parallel != "none":
-            _join_group(device)
+            join_group(device, "trainer")
         if self.parallel == "fsdp":
-            _shard(self.model, mixed_precision)
+            shard(self.model, mixed_precision)
         self.tenancy.adopt(self.model, "weights")
         if self.parallel == "ddp":
             self.module = DistributedDataParallel(self.model, gradient_as_bucket_view=True)
@@ -157,34 +156,3 @@ def _gathered(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.T
     """`bucket` with its FSDP shards gathered into full tensors (one buffer per bucket)."""
     names = [name for name, _ in bucket]
     return list(zip(names, gather_full([tensor for _, tensor in bucket]), strict=True))
-
-
-def _distributed_env() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def _join_group(device: torch.device) -> None:
-    """This replica's torch.distributed group: made here, or checked when it exists. On
-    CUDA each rank takes the GPU of its LOCAL_RANK among those it sees (a slot proc sees
-    one)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    elif dist.get_world_size() != int(os.environ["WORLD_SIZE"]):
-        raise RuntimeError(
-            f"this process is already in a torch.distributed group of "
-            f"{dist.get_world_size()} rank(s), not this replica's WORLD_SIZE "
-            f"{os.environ['WORLD_SIZE']} (a vLLM generator on the same proc starts "
-            "its own); give the trainer procs without it, or one proc")
-
-
-def _shard(model: torch.nn.Module, mixed_precision: bool) -> None:
-    """FSDP2: each decoder layer its own unit, then the root (embeddings, norm, head)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if mixed_precision else MixedPrecisionPolicy()
-    for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)

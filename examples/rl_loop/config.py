@@ -25,8 +25,9 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from colocate.engines.parallel import PARALLEL
 from colocate.engines.tiny import ARCHITECTURES
-from colocate.engines.trainer import BUCKET_MB, PARALLEL
+from colocate.engines.trainer import BUCKET_MB
 from examples.rl_loop.data import DataConfig
 from examples.rl_loop.grpo import GRPOConfig
 from examples.rl_loop.rewards import RewardConfig
@@ -146,11 +147,6 @@ class RLConfig:
         if self.data.used and self.grpo.max_completion_length is None:
             raise ValueError("data.train_files needs grpo.max_completion_length: the most "
                              "tokens a completion may have (the digit task sets its own)")
-        if self.grpo.beta > 0:
-            # the reference model (a third tenant beside the trainer and the generator) is
-            # not built yet: the loss term is, and is tested, but nothing computes its input
-            raise ValueError(f"grpo.beta={self.grpo.beta}: the KL to a reference model is not "
-                             "built yet (the reference tenant); use grpo.beta=0")
         tp = self.generator.tensor_parallel_size
         if self.run.slots % tp:
             raise ValueError(f"generator.tensor_parallel_size={tp} does not divide "

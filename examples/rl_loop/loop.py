@@ -36,7 +36,8 @@ from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.data import Row
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.recovery import Recovery
-from examples.rl_loop.rollouts import GRPOLoss, scored_batch
+from examples.rl_loop.reference import ProcPeaks, spawn_reference
+from examples.rl_loop.rollouts import GRPOLoss, ReferenceLogprobs, scored_batch
 from examples.rl_loop.sources import check_fits, make_source
 from examples.rl_loop.state import (
     Checkpoints,
@@ -73,19 +74,26 @@ def model_dir(cfg: RLConfig, out: Path, alphabet: str = task.ALPHABET) -> Path:
 
 
 async def resident(service: Service) -> int:
-    """Bytes the service's healthy tenants hold now, over all their procs (asked directly,
-    since a sleeping replica takes no routed calls)."""
-    total = 0
+    """Bytes the service's healthy tenants hold now, over all their procs."""
+    return sum((await resident_per_proc(service)).values())
+
+
+async def resident_per_proc(service: Service) -> dict[int, int]:
+    """Bytes the service's healthy tenants hold now, per proc (pid) (asked directly, since
+    a sleeping replica takes no routed calls)."""
+    held: dict[int, int] = {}
     for replica in service.replicas:
         if replica.state is not ReplicaState.HEALTHY:
             continue  # died: what it held went with its procs
         infos = await replica.actors.describe.call()
-        total += sum(info.resident_bytes for _, info in infos.items())
-    return total
+        for _, info in infos.items():
+            held[info.pid] = held.get(info.pid, 0) + info.resident_bytes
+    return held
 
 
 class Loop:
-    """One run: the runtime, the two services, the task, and what is recorded."""
+    """One run: the runtime, the services (trainer, generator and, with grpo.beta > 0, the
+    reference), the task, and what is recorded."""
 
     save_waits = False  # the trainer's saves: staged, then written in the background
 
@@ -117,6 +125,8 @@ class Loop:
         self.record = RunRecord(config=as_dict(cfg), logdir=self.out / "tensorboard",
                                 wandb_dir=self.out if cfg.run.wandb else None)
         self.bar: tqdm | None = None
+        self.reference: Service | None = None
+        self.peaks = ProcPeaks()
         self.training = asyncio.Lock()  # held from a train step through its weight sync
         self.resyncs = 0  # generator replicas given the weights after a respawn
         self.postfix: dict[str, str] = {}  # the progress bar's reward, eval and phase
@@ -161,6 +171,8 @@ class Loop:
         self.generator = await spawn_service(config, GeneratorActor, path,
                                              name="generator", **options)
         self.generator.on_respawn.append(self._resync)
+        if self.cfg.grpo.beta > 0:
+            self.reference = await spawn_reference(self.cfg, path, groups[0], restart)
         await self.load(checkpoint)
 
     async def load(self, checkpoint: Path | None) -> None:
@@ -210,8 +222,17 @@ class Loop:
         self.postfix["phase"] = label
         if self.bar is not None:  # shown now: the bar otherwise redraws only at a step's end
             self.bar.set_postfix(self.postfix)
-        for name, service in (("trainer", self.trainer), ("generator", self.generator)):
-            self.record.reading(name, await resident(service))
+        readings = {name: await resident_per_proc(service)
+                    for name, service in self.services().items()}
+        now = self.record.now()
+        for name, per_proc in readings.items():
+            self.record.reading(name, sum(per_proc.values()), now)
+        self.peaks.add(readings)
+
+    def services(self) -> dict[str, Service]:
+        """The run's services by tenant name."""
+        named = {"trainer": self.trainer, "generator": self.generator}
+        return named if self.reference is None else {**named, "reference": self.reference}
 
     async def generate(self, prompts: list[Row], params: SamplingParams, copies: int
                        ) -> tuple[list[list[int]], list]:
@@ -271,7 +292,15 @@ class Loop:
         texts = [self.decode(c.tokens) for c in completions]
         result = await self.source.score(f"step {index}", rows, texts, completions)
         batch, stats = scored_batch(tokens, completions, result, cfg.grpo, self.pad_id)
-        scored = clock()
+        scored = referenced = ref_woken = referencing = clock()
+        if self.reference is not None:  # its turn: woken for the reference log-probs
+            async with phase(self.reference):
+                ref_woken = clock()
+                await self._readings("reference")
+                referencing = clock()
+                batch["ref_logprobs"] = await self.reference.forward.route(
+                    ReferenceLogprobs(cfg.grpo.temperature), batch)
+                referenced = clock()
         async with self.training:
             async with phase(self.trainer):
                 trainer_woken = clock()
@@ -285,11 +314,12 @@ class Loop:
             await sync_weights(self.trainer, self.generator)
         synced = clock()
         await self._readings("sync")
-        readings = (generating - woken) + (training - trainer_woken)
+        readings = (generating - woken) + (referencing - ref_woken) + (training - trainer_woken)
         row = {"step": index, **stats, **metrics,
                "generate_s": generated - generating, "score_s": scored - generated,
+               "reference_s": referenced - referencing, "reference_switch_s": ref_woken - scored,
                "train_s": trained - training, "save_s": kept - trained,
-               "switch_s": (woken - start) + (trainer_woken - scored),
+               "switch_s": (woken - start) + (ref_woken - scored) + (trainer_woken - referenced),
                "sync_s": synced - kept, "step_s": synced - start - readings,
                "readings_s": readings + (clock() - synced)}
         if (index + 1) % cfg.run.eval_every == 0 or index + 1 == cfg.run.steps:
@@ -380,6 +410,11 @@ class Loop:
             "restarts": len(self.record.restarts),
             **self.source.summary,
         }
+        if self.reference is not None:
+            # the reference's turn: its forward pass and the one more switch it takes
+            summary["reference_share"] = sum(s["reference_s"] + s["reference_switch_s"]
+                                             for s in steps) / sum(s["step_s"] for s in steps)
+            summary["memory_per_proc"] = self.peaks.summary()
         self.record.write(self.out, summary)
         return summary
 

@@ -85,13 +85,16 @@ class RunRecord:
     def phase(self, label: str) -> None:
         self.phases.append((self.now(), label))
 
-    def reading(self, tenant: str, resident_bytes: int) -> None:
-        self.memory.append({"t": self.now(), "tenant": tenant, "bytes": resident_bytes})
+    def reading(self, tenant: str, resident_bytes: int, t: float | None = None) -> None:
+        """What `tenant` holds at time `t` (default: now; the readings of one moment share
+        their `t`, so the plot's total has no step between them)."""
+        t = self.now() if t is None else t
+        self.memory.append({"t": t, "tenant": tenant, "bytes": resident_bytes})
         if self.events is not None:
             self.events.add_scalar(f"memory_mib/{tenant}", resident_bytes / 2**20,
                                    len(self.memory))
         if self.wandb is not None:
-            self.wandb.log({"memory/reading": len(self.memory), "memory/t": self.now(),
+            self.wandb.log({"memory/reading": len(self.memory), "memory/t": t,
                             f"memory_mib/{tenant}": resident_bytes / 2**20})
 
     def write(self, out: Path, summary: dict[str, Any]) -> None:
@@ -163,7 +166,10 @@ class RunRecord:
             held[reading["tenant"]] = reading["bytes"] / slots / 2**20
             t = max(reading["t"], since)
             for name, value in (*held.items(), ("total", sum(held.values()))):
-                series[name].append((t, value))
+                points = series[name]
+                if points and points[-1][0] == t:  # the same moment: its last value holds
+                    points.pop()
+                points.append((t, value))
         for name, points in series.items():
             style = {"color": "black", "lw": 2, "alpha": 0.6} if name == "total" else {}
             ax.step([t for t, _ in points], [v for _, v in points], where="post",

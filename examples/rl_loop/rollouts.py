@@ -4,7 +4,8 @@
 group-relative advantages) into tensors; `scored_batch` makes those advantages from a
 step's rewards first, with the step's reward and completion statistics; `GRPOLoss` is what
 `TrainerActor.train_step` calls on each data-parallel rank, on that rank's share of the
-rows.
+rows; `ReferenceLogprobs` is what `ReferenceActor.forward` calls the same way, for the
+reference log-probabilities of the KL term (`grpo.beta > 0`).
 """
 
 from __future__ import annotations
@@ -75,9 +76,51 @@ def scored_batch(tokens: list[list[int]], completions: list[Completion], result:
 
 
 @dataclass(frozen=True)
+class ReferenceLogprobs:
+    """fn(model, batch) for `ReferenceActor.forward`: the reference policy's log-probs of the
+    batch's targets [B, T]. Each rank computes its rows (as `GRPOLoss` splits them), and
+    rank 0 answers the whole batch's, gathered from every rank."""
+
+    temperature: float
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
+                 ) -> torch.Tensor:
+        rank, world = _rank_and_world()
+        rows = slice(rank, None, world)
+        logits = model(input_ids=batch["input_ids"][rows],
+                       attention_mask=batch["valid"][rows].long()).logits
+        mine = token_logprobs(logits, batch["targets"][rows], batch["mask"][rows],
+                              self.temperature)
+        return mine if world == 1 else _gather_rows(mine, batch["input_ids"].shape[0])
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather_rows(mine: torch.Tensor, rows: int) -> torch.Tensor:
+    """Every rank's rows (rank r of w holds rows r, r + w, ...) put back in order: padded to
+    the same count for one all-gather."""
+    world = dist.get_world_size()
+    most = -(-rows // world)
+    padded = mine.new_zeros((most, *mine.shape[1:]))
+    padded[: mine.shape[0]] = mine
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    full = mine.new_empty((rows, *mine.shape[1:]))
+    for rank, part in enumerate(parts):
+        count = len(range(rank, rows, world))
+        full[rank::world] = part[:count]
+    return full
+
+
+@dataclass(frozen=True)
 class GRPOLoss:
     """loss_fn(module, batch) for `TrainerActor.train_step`: GRPO's clipped loss on this
-    rank's rows (rank r of w takes rows r, r + w, ...)."""
+    rank's rows (rank r of w takes rows r, r + w, ...), with the KL to the batch's
+    "ref_logprobs" when it has them."""
 
     config: GRPOConfig
 
@@ -91,4 +134,4 @@ class GRPOLoss:
         logprobs = token_logprobs(logits, batch["targets"], batch["mask"],
                                   self.config.temperature)
         return grpo_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch["mask"],
-                         self.config)
+                         self.config, batch.get("ref_logprobs"))
