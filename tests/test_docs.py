@@ -33,10 +33,19 @@ def test_the_own_tenants_guide_runs_as_written(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_the_readme_restart_example_runs_as_written(tmp_path):
-    text = (ROOT / "README.md").read_text()
-    done = run_first_python_block(text[text.index("### Restarting a group"):],
+def test_the_restart_example_runs_as_written(tmp_path):
+    text = (ROOT / "docs" / "runtime.md").read_text()
+    done = run_first_python_block(text[text.index("## Restarting a group"):],
                                   tmp_path / "restart.py")
     assert "step after the restart: 4" in done.stdout
     assert "new processes: True shared again: True" in done.stdout
     assert "restarts: [(1, " in done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_readme_runtime_example_runs_as_written(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    done = run_first_python_block(text[text.index("## The runtime, for your own loop"):],
+                                  tmp_path / "runtime.py")
+    assert "replicas answered: 2" in done.stdout
+    assert "'generator_r0': ['weights']" in done.stdout and "'trainer_r0': []" in done.stdout

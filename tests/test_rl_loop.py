@@ -147,15 +147,17 @@ def test_config_converts_values_to_their_fields_types():
 
 
 def readme_commands() -> list[list[str]]:
-    """The arguments of every `python -m examples.rl_loop ...` command in the README."""
-    text = (Path(__file__).parents[1] / "README.md").read_text()
-    found = re.findall(r"python -m examples\.rl_loop([^`]*)`", text.replace("\n", " "))
+    """The arguments of every `python -m examples.rl_loop ...` command in the README and the
+    docs: in backquotes or on a line of a code block (without its comment)."""
+    root = Path(__file__).parents[1]
+    text = "\n".join(p.read_text() for p in [root / "README.md", *(root / "docs").glob("*.md")])
+    found = re.findall(r"python -m examples\.rl_loop([^`\n#]*)", text)
     return [shlex.split(args) for args in found]
 
 
 def test_every_rl_loop_command_in_the_readme_parses():
     commands = readme_commands()
-    assert len(commands) >= 2
+    assert len(commands) >= 6
     for args in commands:
         engine = args[args.index("--engine") + 1] if "--engine" in args else None
         overrides = [a for a in args if "=" in a] + ([f"run.engine={engine}"] if engine else [])
