@@ -22,6 +22,10 @@ loop syncs the trainer's weights into it there, so no call meets stale weights).
 Waits (for an awake replica, for calls in flight to finish before a switch) sleep on the
 service's `Changes` and wake when something they wait for may have changed: a switch ended
 (the resource manager tells its `Watcher`), a call finished, a replica changed state.
+
+Over 400 lines for one reason: routing, healing and closing all read and move the same
+replicas under the same waits, so they stay one class; what stands apart is elsewhere
+(the endpoint handle, the session router, the autoscaler, group restarts).
 """
 
 from __future__ import annotations
