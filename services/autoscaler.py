@@ -7,7 +7,7 @@ none fit, the reason is logged); when every replica was busy less than
 After a change nothing moves for `scale_cooldown_s`.
 
 The autoscaler sees a service through a narrow interface: a `LoadSnapshot` (taken by the
-service's `load()`), and callables that add a replica and remove one by its index.
+service's `load_snapshot()`), and callables that add a replica and remove one by its index.
 """
 
 from __future__ import annotations

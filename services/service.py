@@ -111,7 +111,7 @@ class Service(Generic[A]):
                 if r.state is ReplicaState.HEALTHY and r.index not in exclude
                 and self.rm.routable(r.tenant)]
 
-    def load(self) -> LoadSnapshot:
+    def load_snapshot(self) -> LoadSnapshot:
         """What the autoscaler reads: the replicas not stopped, how many are ready, and how
         many calls wait for one."""
         live = tuple(ReplicaLoad(r.index, r.in_flight, r.busy_s, r.state is ReplicaState.HEALTHY)

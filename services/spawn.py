@@ -54,7 +54,7 @@ async def spawn_service(config: ServiceConfig, actor_class: type[A], *args: Any,
         async def remove(index: int) -> None:
             await service.remove_replica(service.replicas[index])
 
-        service.autoscaler = Autoscaler(service.name, config, service.load, service.add_replica,
-                                        remove)
+        service.autoscaler = Autoscaler(service.name, config, service.load_snapshot,
+                                        service.add_replica, remove)
         service.autoscaler.start()
     return service
