@@ -77,14 +77,15 @@ class Autoscaler:
 
     def _utilization(self, replicas: tuple[ReplicaLoad, ...]) -> dict[int, float]:
         """Each replica's busy fraction since the last step (read every step, so each
-        reading covers one interval)."""
+        reading covers one interval); 1.0 for one not read before (not known to be idle)."""
         now = time.monotonic()
         found = {}
         for r in replicas:
             since, busy = self._busy.get(r.index, (now, r.busy_s))
-            if r.busy_s < busy:  # not one replica's reading: start again
-                since, busy = now, r.busy_s
-            found[r.index] = min(1.0, (r.busy_s - busy) / (now - since)) if now > since else 0.0
+            if now > since and r.busy_s >= busy:
+                found[r.index] = min(1.0, (r.busy_s - busy) / (now - since))
+            else:  # first read, or no longer the replica read before
+                found[r.index] = 1.0
             self._busy[r.index] = (now, r.busy_s)
         return found
 
