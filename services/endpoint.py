@@ -40,6 +40,9 @@ class ServiceEndpoint(Generic[P, R]):
         """The endpoint's result on one replica. `session=` (from `Service.session`) keeps
         the calls of a session on one replica; the mypy plugin types it as `str | None`."""
         session = kwargs.pop("session", None)
+        if session is not None and not isinstance(session, str):
+            raise TypeError(f"session= takes a session id from Service.session(), got "
+                            f"{type(session).__name__}")
         return await self._route(self.name, args, kwargs, session)
 
     async def fanout(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:

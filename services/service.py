@@ -49,7 +49,12 @@ from services.autoscaler import Autoscaler, LoadSnapshot, ReplicaLoad
 from services.config import ServiceConfig
 from services.distributed import setup_distributed
 from services.endpoint import ServiceEndpoint, endpoint_error
-from services.errors import ServiceAsleepError, ServiceClosedError, ServiceUnavailableError
+from services.errors import (
+    ServiceAsleepError,
+    ServiceClosedError,
+    ServiceError,
+    ServiceUnavailableError,
+)
 from services.replica import Replica, ReplicaState, ReplicaStateError, tenant_name
 from services.restart import GroupRestarts
 from services.router import make_router
@@ -139,6 +144,7 @@ class Service(Generic[A]):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.wait_timeout_s
         woken = False
+        late: ServiceError  # raised when the wait runs out
         while True:
             since = self._changes.version  # before looking: a change after it ends the wait
             if self.closed:
@@ -223,8 +229,10 @@ class Service(Generic[A]):
 
     async def _fanout(self, endpoint: str, args: tuple, kwargs: dict) -> list[Any]:
         """Every awake, healthy replica; when none is, the when_asleep policy first."""
-        picked = None if self._ready(set()) else await self._pick(None, set())
-        replicas = self._ready(set()) or [picked]
+        replicas = self._ready(set())
+        if not replicas:
+            picked = await self._pick(None, set())
+            replicas = self._ready(set()) or [picked]
         return list(await asyncio.gather(*(r.call(endpoint, args, kwargs) for r in replicas)))
 
     def lose(self, replica: Replica, err: BaseException) -> bool:
