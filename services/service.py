@@ -69,8 +69,8 @@ class Service(Generic[A]):
     `svc.<endpoint>` is a `ServiceEndpoint` typed from `A`'s endpoint (services.endpoint)."""
 
     def __init__(self, name: str, config: ServiceConfig, actor_class: type[A],
-                 rm: ResourceManager,
-                 request: ResourceRequest, args: tuple = (), kwargs: dict | None = None) -> None:
+                 rm: ResourceManager, request: ResourceRequest, args: tuple = (),
+                 kwargs: dict | None = None) -> None:
         self.name, self.config, self.actor_class, self.rm = name, config, actor_class, rm
         self.request, self.args, self.kwargs = request, args, kwargs or {}
         self.replicas: list[Replica] = []
