@@ -20,7 +20,15 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable
 
-from mypy.nodes import ARG_NAMED_OPT, CallExpr, Decorator, Expression, FuncDef, RefExpr
+from mypy.nodes import (
+    ARG_NAMED_OPT,
+    CallExpr,
+    Decorator,
+    Expression,
+    FuncDef,
+    NameExpr,
+    RefExpr,
+)
 from mypy.plugin import AttributeContext, MethodSigContext, Plugin
 from mypy.types import (
     AnyType,
@@ -45,6 +53,21 @@ def _is_endpoint_decorator(expr: Expression) -> bool:
     return isinstance(expr, RefExpr) and (expr.fullname or expr.name).split(".")[-1] == "endpoint"
 
 
+def _ported(expr: Expression) -> bool:
+    """`@endpoint(explicit_response_port=True)`: the result goes through a port argument."""
+    return isinstance(expr, CallExpr) and any(
+        arg == "explicit_response_port" and not (isinstance(value, NameExpr)
+                                                 and value.name == "False")
+        for arg, value in zip(expr.arg_names, expr.args, strict=True))
+
+
+def _endpoints(actor: Instance) -> list[str]:
+    """The names of the `@endpoint` methods of `actor`'s class and its bases."""
+    return sorted({name for info in actor.type.mro for name, sym in info.names.items()
+                   if isinstance(sym.node, Decorator)
+                   and any(map(_is_endpoint_decorator, sym.node.original_decorators))})
+
+
 def _endpoint_type(ctx: AttributeContext, name: str) -> Type:
     service = get_proper_type(ctx.type)
     if not isinstance(service, Instance) or not service.args:
@@ -57,8 +80,8 @@ def _endpoint_type(ctx: AttributeContext, name: str) -> Type:
     if isinstance(node, Decorator) and any(map(_is_endpoint_decorator,
                                                node.original_decorators)):
         method = node.func.type
-        if not isinstance(method, CallableType):  # an unannotated method: untyped
-            return ctx.default_attr_type
+        if not isinstance(method, CallableType) or any(map(_ported, node.original_decorators)):
+            return ctx.default_attr_type  # an unannotated method, or a ported one: untyped
         result = get_proper_type(method.ret_type)
         if node.func.is_coroutine and isinstance(result, Instance) and result.args:
             result = get_proper_type(result.args[-1])  # Coroutine[Any, Any, R] -> R
@@ -72,10 +95,7 @@ def _endpoint_type(ctx: AttributeContext, name: str) -> Type:
         ctx.api.fail(f'"{cls}.{name}" is a method, not an @endpoint: a service reaches only '
                      "endpoints", ctx.context)
     else:
-        endpoints = sorted(n for n, sym in actor.type.names.items()
-                           if isinstance(sym.node, Decorator)
-                           and any(map(_is_endpoint_decorator, sym.node.original_decorators)))
-        close = difflib.get_close_matches(name, endpoints, n=3)
+        close = difflib.get_close_matches(name, _endpoints(actor), n=3)
         hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
         ctx.api.fail(f'Service[{cls}] has no endpoint "{name}"{hint}', ctx.context)
     return AnyType(TypeOfAny.from_error)
