@@ -29,7 +29,7 @@ import torch
 from monarch.actor import endpoint
 
 from colocate.arbiter.actor import TenantActor
-from colocate.resources.hosts import gpus_per_host
+from colocate.resources.gpus import gpus_per_host
 from colocate.resources.manager import ResourceManager, init
 
 

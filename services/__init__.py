@@ -6,6 +6,7 @@
 """
 
 from services.config import ServiceConfig, ServiceConfigError
+from services.endpoint import ServiceEndpoint
 from services.errors import (
     ReplicaLostError,
     ServiceAsleepError,
@@ -21,7 +22,7 @@ from services.weight_sync import SyncReport, sync_weights
 
 __all__ = [
     "GroupRestarts", "ReplicaLostError", "RestartEvent", "Service", "ServiceAsleepError",
-    "ServiceClosedError", "ServiceConfig", "ServiceConfigError", "ServiceError",
+    "ServiceClosedError", "ServiceConfig", "ServiceConfigError", "ServiceEndpoint", "ServiceError",
     "ServiceUnavailableError", "SyncReport", "WeightSyncError", "group_restarts",
     "spawn_service", "sync_weights",
 ]

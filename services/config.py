@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from colocate.checks import check_bool, check_choice, check_int, check_name, check_number
 
-ROUTERS = ("round_robin", "least_loaded", "sticky")
+ROUTERS = ("round_robin", "least_loaded")  # each keeps sessions: services.router
 WHEN_ASLEEP = ("wait", "wake", "fail")
 RESTARTS = ("replica", "group")
 
@@ -42,7 +42,7 @@ class ServiceConfig:
     with_gpus: bool = True
     resource_group: str | None = None  # default: the service's own name
     # routing
-    router: str = "round_robin"
+    router: str = "round_robin"  # for calls without a session: "round_robin" | "least_loaded"
     when_asleep: str = "wait"
     wait_timeout_s: float = 60.0
     # health
@@ -57,6 +57,11 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         def fail(message: str) -> None:
             raise ServiceConfigError(f"ServiceConfig: {message}")
+
+        if self.router == "sticky":
+            fail("router='sticky' is no router of its own: every router keeps a session's "
+                 "calls on its replica (`svc.session()`); give router='least_loaded' for "
+                 "the same picks")
 
         problems = (
             *(check_int(name, getattr(self, name), 1) for name in (

@@ -70,7 +70,8 @@ def _machine() -> str:
         return f"host:{socket.gethostname()}"
 
 
-def _routable(ip: str) -> bool:
+def _reachable_elsewhere(ip: str) -> bool:
+    """Whether another machine could dial `ip`: not loopback, link-local or unspecified."""
     address = ipaddress.ip_address(ip.split("%")[0])
     return not (address.is_loopback or address.is_link_local or address.is_unspecified)
 
@@ -84,13 +85,13 @@ def _reachable_address() -> str:
         found = []
     for family in (socket.AF_INET, socket.AF_INET6):
         for fam, *_, sockaddr in found:
-            if fam == family and _routable(str(sockaddr[0])):
+            if fam == family and _reachable_elsewhere(str(sockaddr[0])):
                 return str(sockaddr[0])
     try:  # the interface of the default route; a UDP connect sends nothing
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect(("10.255.255.255", 1))
             ip = s.getsockname()[0]
-        if _routable(ip):
+        if _reachable_elsewhere(ip):
             return ip
     except OSError:
         pass

@@ -39,14 +39,13 @@ class ReplicaState(enum.Enum):
     STOPPED = "stopped"  # removed, its procs given back
 
 
-S = ReplicaState
 MOVES: dict[ReplicaState, set[ReplicaState]] = {
-    S.STARTING: {S.HEALTHY, S.STOPPED},
-    S.HEALTHY: {S.DRAINING, S.FAILED},
-    S.DRAINING: {S.STOPPED, S.FAILED},
-    S.FAILED: {S.RECOVERING, S.STOPPED},
-    S.RECOVERING: {S.HEALTHY, S.FAILED},
-    S.STOPPED: set(),
+    ReplicaState.STARTING: {ReplicaState.HEALTHY, ReplicaState.STOPPED},
+    ReplicaState.HEALTHY: {ReplicaState.DRAINING, ReplicaState.FAILED},
+    ReplicaState.DRAINING: {ReplicaState.STOPPED, ReplicaState.FAILED},
+    ReplicaState.FAILED: {ReplicaState.RECOVERING, ReplicaState.STOPPED},
+    ReplicaState.RECOVERING: {ReplicaState.HEALTHY, ReplicaState.FAILED},
+    ReplicaState.STOPPED: set(),
 }
 
 
@@ -70,23 +69,16 @@ class Replica:
     actors: Any = None  # Monarch ActorMesh over the replica's procs, once started
     state: ReplicaState = ReplicaState.STARTING
     failure: str | None = None
-    generation: int = 0  # how many times it was respawned
+    generation: int = 0  # how many times it was respawned (0: its first start)
     in_flight: int = 0
     served: int = 0
-    busy_s: float = 0.0
-    load: float = 0.0  # busy fraction over the autoscaler's last interval
+    busy_s: float = 0.0  # time spent in its finished calls, all generations
     calls: Abortable = field(default_factory=Abortable)  # this generation's calls in flight
-    _since: float = field(default_factory=time.monotonic)
 
     @property
     def tenant(self) -> str:
         """The name its actors are spawned under (the arbiter's key for them)."""
         return tenant_name(self.service, self.index, self.generation)
-
-    @property
-    def respawned(self) -> int:
-        """How many times it came back on new procs (its generation)."""
-        return self.generation
 
     @property
     def procs(self) -> int:
@@ -123,10 +115,3 @@ class Replica:
             self.served += 1
             self.busy_s += time.monotonic() - start
             self.changes.notify()
-
-    def utilization(self) -> float:
-        """Busy fraction since the last call of this method."""
-        now = time.monotonic()
-        busy, self.busy_s = self.busy_s, 0.0
-        elapsed, self._since = now - self._since, now
-        return min(1.0, busy / elapsed) if elapsed > 0 else 0.0

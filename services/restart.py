@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from services.service import Service
 
 logger = logging.getLogger(__name__)
-S = ReplicaState
 
 # the group whose on_restart hooks are running in this context: its held calls go through
 _in_hooks: contextvars.ContextVar[str | None] = contextvars.ContextVar("in_restart_hooks",
@@ -134,7 +133,7 @@ class GroupRestarts:
 
     def _next(self, _: asyncio.Task) -> None:
         again, self._again = self._again, None
-        if again is not None and any(r.state is S.FAILED for s in self.services
+        if again is not None and any(r.state is ReplicaState.FAILED for s in self.services
                                      for r in s.replicas):
             self.failed(again)
 
@@ -160,7 +159,7 @@ class GroupRestarts:
             event = RestartEvent(self.group, cause, wall, time.monotonic() - detected, count,
                                  names)
             for _, replica in started:
-                replica.move(S.HEALTHY)
+                replica.move(ReplicaState.HEALTHY)
             token = _in_hooks.set(self.group)
             try:
                 for hook in self.on_restart:
@@ -184,7 +183,7 @@ class GroupRestarts:
 
     @staticmethod
     def _recovering(service: Service) -> list[Replica]:
-        return [r for r in service.replicas if r.state is S.RECOVERING]
+        return [r for r in service.replicas if r.state is ReplicaState.RECOVERING]
 
     async def _undo(self, services: list[Service], started: list[tuple[Service, Replica]],
                     cause: str, err: BaseException, wall: float, detected: float, count: int,
@@ -209,9 +208,10 @@ class GroupRestarts:
                    f"({cause}) failed: {why}")
         for service in services:
             for replica in service.replicas:
-                if replica.state in (S.HEALTHY, S.RECOVERING):  # HEALTHY: a hook failed
-                    replica.move(S.FAILED, message)
-                if not cancelled and replica.state is S.FAILED:
+                # HEALTHY: one of its hooks failed
+                if replica.state in (ReplicaState.HEALTHY, ReplicaState.RECOVERING):
+                    replica.move(ReplicaState.FAILED, message)
+                if not cancelled and replica.state is ReplicaState.FAILED:
                     replica.actors = None  # stopped above, or on the procs killed before
             service._release()
         if not cancelled:

@@ -22,6 +22,10 @@ loop syncs the trainer's weights into it there, so no call meets stale weights).
 Waits (for an awake replica, for calls in flight to finish before a switch) sleep on the
 service's `Changes` and wake when something they wait for may have changed: a switch ended
 (the resource manager tells its `Watcher`), a call finished, a replica changed state.
+
+Over 400 lines for one reason: routing, healing and closing all read and move the same
+replicas under the same waits, so they stay one class; what stands apart is elsewhere
+(the endpoint handle, the session router, the autoscaler, group restarts).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from monarch.actor import ActorError
 
@@ -41,44 +45,38 @@ from colocate.monarch_compat import endpoint_names
 from colocate.resources.groups import Allocation
 from colocate.resources.manager import ResourceManager, Watcher
 from colocate.resources.packing import ResourceRequest
-from services.autoscaler import Autoscaler
+from services.autoscaler import Autoscaler, LoadSnapshot, ReplicaLoad
 from services.config import ServiceConfig
 from services.distributed import setup_distributed
-from services.errors import ServiceAsleepError, ServiceClosedError, ServiceUnavailableError
+from services.endpoint import ServiceEndpoint, endpoint_error
+from services.errors import (
+    ServiceAsleepError,
+    ServiceClosedError,
+    ServiceError,
+    ServiceUnavailableError,
+)
 from services.replica import Replica, ReplicaState, ReplicaStateError, tenant_name
 from services.restart import GroupRestarts
 from services.router import make_router
 from services.waiting import Changes
 
 logger = logging.getLogger(__name__)
-S = ReplicaState
+A = TypeVar("A")  # the actor class of a service's replicas
 
 
-class ServiceEndpoint:
-    """`svc.<endpoint>`: `route` to one replica, `fanout` to all awake ones."""
+class Service(Generic[A]):
+    """A set of replicas of one actor class `A`, colocated through the resource manager;
+    `svc.<endpoint>` is a `ServiceEndpoint` typed from `A`'s endpoint (services.endpoint)."""
 
-    def __init__(self, service: Service, name: str) -> None:
-        self.service, self.name = service, name
-
-    async def route(self, *args: Any, session: str | None = None, **kwargs: Any) -> Any:
-        return await self.service._route(self.name, args, kwargs, session)
-
-    async def fanout(self, *args: Any, **kwargs: Any) -> list[Any]:
-        return await self.service._fanout(self.name, args, kwargs)
-
-
-class Service:
-    """A set of replicas of one actor class, colocated through the resource manager."""
-
-    def __init__(self, name: str, config: ServiceConfig, actor_class: type, rm: ResourceManager,
-                 request: ResourceRequest, args: tuple = (), kwargs: dict | None = None) -> None:
+    def __init__(self, name: str, config: ServiceConfig, actor_class: type[A],
+                 rm: ResourceManager, request: ResourceRequest, args: tuple = (),
+                 kwargs: dict | None = None) -> None:
         self.name, self.config, self.actor_class, self.rm = name, config, actor_class, rm
         self.request, self.args, self.kwargs = request, args, kwargs or {}
         self.replicas: list[Replica] = []
         self.autoscaler: Autoscaler | None = None
-        self.router = make_router(config.router)
+        self.router = make_router(config.router)  # sessions stick there
         self.endpoints = endpoint_names(actor_class)
-        self.sessions: dict[str, int] = {}
         self._session_ids = itertools.count()
         self.closed = False
         self.waiting = 0  # calls waiting for a replica
@@ -93,22 +91,37 @@ class Service:
                                 failed=self._on_failure, close=self._close_with_runtime)
         rm.watch(self._watcher)
 
-    def __getattr__(self, name: str) -> ServiceEndpoint:
-        if name.startswith("_") or name not in self.__dict__.get("endpoints", ()):
-            raise AttributeError(f"service {self.__dict__.get('name')!r} has no endpoint {name!r}")
-        return ServiceEndpoint(self, name)
+    def __getattr__(self, name: str) -> ServiceEndpoint[..., Any]:
+        """`svc.<endpoint>`; typed from `A`'s endpoint by the mypy plugin
+        (services.mypy_plugin), untyped without it."""
+        endpoints = self.__dict__.get("endpoints")
+        if name.startswith("_") or endpoints is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if name not in endpoints:
+            raise endpoint_error(self.name, self.actor_class, endpoints, name)
+        return ServiceEndpoint(self.name, name, self._route, self._fanout)
 
     def tenant_names(self) -> list[str]:
         """The arbiter's names for the replicas: `phase(svc)` wakes them all."""
-        return [r.tenant for r in self.replicas if r.state is S.HEALTHY]
+        return [r.tenant for r in self.replicas if r.state is ReplicaState.HEALTHY]
 
     # -- routing -------------------------------------------------------------------------
 
-    def _routable(self, exclude: set[int]) -> list[Replica]:
+    def _ready(self, exclude: set[int]) -> list[Replica]:
+        """The replicas that can take a call now (healthy, and routable for the resource
+        manager: awake, no switch in flight), less those in `exclude`."""
         if self._holding():
             return []
-        return [r for r in self.replicas if r.state is S.HEALTHY and r.index not in exclude
+        return [r for r in self.replicas
+                if r.state is ReplicaState.HEALTHY and r.index not in exclude
                 and self.rm.routable(r.tenant)]
+
+    def load_snapshot(self) -> LoadSnapshot:
+        """What the autoscaler reads: the replicas not stopped, how many are ready, and how
+        many calls wait for one."""
+        live = tuple(ReplicaLoad(r.index, r.in_flight, r.busy_s, r.state is ReplicaState.HEALTHY)
+                     for r in self.replicas if r.state is not ReplicaState.STOPPED)
+        return LoadSnapshot(live, len(self._ready(set())), self.waiting)
 
     def _how_to_wake(self) -> str:
         return (f"Wake it for the calls: `async with phase(service):` around them (this "
@@ -131,17 +144,18 @@ class Service:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.wait_timeout_s
         woken = False
+        late: ServiceError  # raised when the wait runs out
         while True:
             since = self._changes.version  # before looking: a change after it ends the wait
             if self.closed:
                 raise ServiceClosedError(f"service {self.name!r} is shut down")
-            candidates = self._routable(exclude)
+            candidates = self._ready(exclude)
             if candidates:
-                return self._choose(candidates, session)
+                return self.router.pick(candidates, session)
             healthy = [r for r in self.replicas
-                       if r.state is S.HEALTHY and r.index not in exclude]
+                       if r.state is ReplicaState.HEALTHY and r.index not in exclude]
             coming = [r.index for r in self.replicas
-                      if r.state in (S.STARTING, S.RECOVERING)]
+                      if r.state in (ReplicaState.STARTING, ReplicaState.RECOVERING)]
             if self._holding():  # its group restarts: every replica comes back
                 exclude.clear()
                 late = ServiceUnavailableError(
@@ -180,20 +194,10 @@ class Service:
                           for r in self.replicas)
         if self.held is not None:
             found += f"; {self.held}"
-        if not self.config.respawn and any(r.state is S.FAILED for r in self.replicas):
+        if not self.config.respawn and any(r.state is ReplicaState.FAILED for r in self.replicas):
             found += (f"; service {self.name!r} does not respawn replicas (respawn=False), "
                       "so a failed one stays failed: spawn the service again")
         return found
-
-    def _choose(self, candidates: list[Replica], session: str | None) -> Replica:
-        if session is not None:
-            for replica in candidates:
-                if replica.index == self.sessions.get(session):
-                    return replica
-        replica = self.router.pick(candidates)
-        if session is not None:
-            self.sessions[session] = replica.index
-        return replica
 
     async def _route(self, endpoint: str, args: tuple, kwargs: dict,
                      session: str | None) -> Any:
@@ -225,8 +229,10 @@ class Service:
 
     async def _fanout(self, endpoint: str, args: tuple, kwargs: dict) -> list[Any]:
         """Every awake, healthy replica; when none is, the when_asleep policy first."""
-        picked = None if self._routable(set()) else await self._pick(None, set())
-        replicas = self._routable(set()) or [picked]
+        replicas = self._ready(set())
+        if not replicas:
+            picked = await self._pick(None, set())
+            replicas = self._ready(set()) or [picked]
         return list(await asyncio.gather(*(r.call(endpoint, args, kwargs) for r in replicas)))
 
     def lose(self, replica: Replica, err: BaseException) -> bool:
@@ -243,20 +249,20 @@ class Service:
         """Mark a healthy (or leaving) replica failed (when `tenant` is given, only while it
         is still that generation); respawn a healthy one when the config says so: the
         replica alone, or with restart="group" its whole group."""
-        if replica.state not in (S.HEALTHY, S.DRAINING):
+        if replica.state not in (ReplicaState.HEALTHY, ReplicaState.DRAINING):
             return
         if tenant is not None and replica.tenant != tenant:
             return  # a late report on a generation that is gone
         why = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
         logger.warning("service %r replica %d failed: %s", self.name, replica.index, why)
-        leaving = replica.state is S.DRAINING
-        replica.move(S.FAILED, why.splitlines()[0] if why else repr(err))
+        leaving = replica.state is ReplicaState.DRAINING
+        replica.move(ReplicaState.FAILED, why.splitlines()[0] if why else repr(err))
         if self.config.respawn and not self.closed and not leaving:
             if self.restarts is not None and self.config.restart == "group":
                 self.restarts.failed(f"service {self.name!r} replica {replica.index} "
                                      f"({replica.tenant}): {replica.failure}")
                 return
-            replica.move(S.RECOVERING)
+            replica.move(ReplicaState.RECOVERING)
             self._in_background(self._respawn(replica))
 
     def _holding(self) -> bool:
@@ -268,10 +274,10 @@ class Service:
         flight end with ReplicaLostError), and routed calls wait until `_release`."""
         self.held = why
         for replica in self.replicas:
-            if replica.state is S.HEALTHY:
-                replica.move(S.FAILED, why)
-            if replica.state is S.FAILED:
-                replica.move(S.RECOVERING)
+            if replica.state is ReplicaState.HEALTHY:
+                replica.move(ReplicaState.FAILED, why)
+            if replica.state is ReplicaState.FAILED:
+                replica.move(ReplicaState.RECOVERING)
         self._changes.notify()
 
     def _release(self) -> None:
@@ -304,14 +310,14 @@ class Service:
                 actors, allocation, generation
             for hook in self.on_respawn:
                 await hook(replica)
-            replica.move(S.HEALTHY)
+            replica.move(ReplicaState.HEALTHY)
             logger.info("service %r replica %d is back as %s", self.name, replica.index,
                         replica.tenant)
         except BaseException as err:
             if isinstance(err, Exception):
                 logger.exception("service %r: respawning replica %d failed", self.name,
                                  replica.index)
-            replica.move(S.FAILED, f"{replica.failure}; its respawn failed: "
+            replica.move(ReplicaState.FAILED, f"{replica.failure}; its respawn failed: "
                                    f"{type(err).__name__}: {err}")
             if not isinstance(err, Exception):
                 raise
@@ -323,7 +329,7 @@ class Service:
         try:
             yield session
         finally:
-            self.sessions.pop(session, None)
+            self.router.end(session)
 
     # -- replicas ----------------------------------------------------------------------
 
@@ -337,9 +343,9 @@ class Service:
             replica.actors = await self._start(replica.tenant, allocation)
         except BaseException as err:
             self.rm.free(allocation)
-            replica.move(S.STOPPED, f"could not start: {type(err).__name__}: {err}")
+            replica.move(ReplicaState.STOPPED, f"could not start: {type(err).__name__}: {err}")
             raise
-        replica.move(S.HEALTHY)
+        replica.move(ReplicaState.HEALTHY)
         return replica
 
     async def _start(self, tenant: str, allocation: Allocation) -> Any:
@@ -354,18 +360,18 @@ class Service:
         """Stop routing to a healthy replica, let its calls finish, then stop it and free
         its procs; a failed one is stopped and freed at once. A removal that was cancelled
         while draining goes on from there."""
-        if replica.state not in (S.HEALTHY, S.DRAINING, S.FAILED):
+        if replica.state not in (ReplicaState.HEALTHY, ReplicaState.DRAINING, ReplicaState.FAILED):
             raise ReplicaStateError(
                 f"replica {replica.index} of service {self.name!r} is {replica.state.value}: "
                 "only a healthy, draining or failed replica can be removed")
-        if replica.state is S.HEALTHY:
-            replica.move(S.DRAINING)
-        if replica.state is S.DRAINING:
+        if replica.state is ReplicaState.HEALTHY:
+            replica.move(ReplicaState.DRAINING)
+        if replica.state is ReplicaState.DRAINING:
             await self._drain({replica.tenant}, grace_s)
         if replica.actors is not None:  # None: a failed group restart stopped them
             await self.rm.remove(replica.tenant, replica.actors)
         self.rm.free(replica.allocation)
-        replica.move(S.STOPPED)
+        replica.move(ReplicaState.STOPPED)
 
     # -- switches and shutdown --------------------------------------------------------
 
@@ -407,10 +413,10 @@ class Service:
         respawns, and count every replica as stopped."""
         await self._close(grace_s, finish_respawns=False)
         for replica in self.replicas:
-            if replica.state is S.HEALTHY:
-                replica.move(S.DRAINING)
-            if replica.state in (S.DRAINING, S.FAILED):
-                replica.move(S.STOPPED, replica.failure)
+            if replica.state is ReplicaState.HEALTHY:
+                replica.move(ReplicaState.DRAINING)
+            if replica.state in (ReplicaState.DRAINING, ReplicaState.FAILED):
+                replica.move(ReplicaState.STOPPED, replica.failure)
         self.rm.unwatch(self._watcher)
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
@@ -421,7 +427,7 @@ class Service:
         if self.restarts is not None:
             self.restarts.leave(self)
         for replica in self.replicas:
-            if replica.state is not S.STOPPED:
+            if replica.state is not ReplicaState.STOPPED:
                 await self.remove_replica(replica, grace_s)
         self.rm.unwatch(self._watcher)
 

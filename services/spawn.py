@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, TypeVar
 
 from colocate.resources.manager import ResourceManager, current
 from colocate.resources.packing import ResourceRequest
@@ -13,6 +13,7 @@ from services.restart import group_restarts
 from services.service import Service
 
 _names = itertools.count()
+A = TypeVar("A")
 
 
 def _group_for(replica: ResourceRequest, replicas: int, gpus_per_host: int) -> ResourceRequest:
@@ -23,9 +24,9 @@ def _group_for(replica: ResourceRequest, replicas: int, gpus_per_host: int) -> R
                            replica.procs_per_host * per_host, replica.with_gpus)
 
 
-async def spawn_service(config: ServiceConfig, actor_class: type, *args: Any,
+async def spawn_service(config: ServiceConfig, actor_class: type[A], *args: Any,
                         name: str | None = None, rm: ResourceManager | None = None,
-                        **kwargs: Any) -> Service:
+                        **kwargs: Any) -> Service[A]:
     """Start `config.num_replicas` replicas of `actor_class(*args, **kwargs)`.
 
     Replicas of services in one resource group share procs (one per GPU), so a
@@ -50,6 +51,10 @@ async def spawn_service(config: ServiceConfig, actor_class: type, *args: Any,
     for _ in range(config.num_replicas):
         await service.add_replica()
     if config.min != config.max:
-        service.autoscaler = Autoscaler(service)
+        async def remove(index: int) -> None:
+            await service.remove_replica(service.replicas[index])
+
+        service.autoscaler = Autoscaler(service.name, config, service.load_snapshot,
+                                        service.add_replica, remove)
         service.autoscaler.start()
     return service

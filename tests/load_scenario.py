@@ -195,9 +195,9 @@ async def _watch(procs: dict[str, Any], t0: float, within_s: float,
         for name, replica in procs.items():
             now = time.monotonic() - killed_at
             if name not in report.failed_s and (replica.state is not ReplicaState.HEALTHY
-                                                or replica.respawned):
+                                                or replica.generation):
                 report.failed_s[name] = now
-            if name not in report.back_s and replica.respawned and \
+            if name not in report.back_s and replica.generation and \
                     replica.state is ReplicaState.HEALTHY:
                 report.back_s[name] = now
         await asyncio.sleep(0.01)

@@ -31,7 +31,6 @@ from services import (
 from services.replica import Replica, ReplicaState
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("procs_import_tests")]
-S = ReplicaState
 
 
 def test_the_restart_policy_is_checked_with_the_config():
@@ -107,7 +106,7 @@ async def test_a_group_comes_back_whole_in_shared_processes():
         assert abs(event.detected_at - time.time()) < 60
         print(f"group restart: {event.seconds:.2f} s")
         for replica in (*trainer.replicas, *generator.replicas):
-            assert (replica.state, replica.generation) == (S.HEALTHY, 1), replica.failure
+            assert (replica.state, replica.generation) == (ReplicaState.HEALTHY, 1), replica.failure
         new = await pids(trainer.replicas[0])
         assert [(await pids(r))[0] for r in generator.replicas] == new  # shared again
         assert not set(new) & set(old)
@@ -122,14 +121,14 @@ async def test_a_group_comes_back_whole_in_shared_processes():
         # Monarch's own reports of the old generation come seconds later: no second restart
         await asyncio.sleep(8)
         assert len(events) == len(restarts.events) == 1
-        assert all(r.state is S.HEALTHY and r.generation == 1
+        assert all(r.state is ReplicaState.HEALTHY and r.generation == 1
                    for r in (*trainer.replicas, *generator.replicas))
 
         # a restart="replica" service comes back alone, as before
         solo_pid = (await pids(solo.replicas[0]))[0]
         os.kill(solo_pid, signal.SIGKILL)
         await until(lambda: solo.replicas[0].generation == 1
-                    and solo.replicas[0].state is S.HEALTHY)
+                    and solo.replicas[0].state is ReplicaState.HEALTHY)
         assert await solo.work.route(6) == 6
         assert len(restarts.events) == 1 and group_restarts("solo").events == []
         assert (await pids(trainer.replicas[0])) == new
@@ -159,7 +158,7 @@ async def test_a_restart_that_fails_leaves_the_services_failed_and_nothing_runni
         event = first.restarts.events[0]
         assert "cannot load the checkpoint" in event.error
         for replica in (*first.replicas, *second.replicas):
-            assert replica.state is S.FAILED
+            assert replica.state is ReplicaState.FAILED
             assert "did not come back" in replica.failure
             assert "cannot load the checkpoint" in replica.failure
         with pytest.raises(ServiceUnavailableError, match="cannot load the checkpoint"):
@@ -189,7 +188,7 @@ async def test_a_two_proc_trainer_comes_back_on_two_new_procs_and_trains(tmp_pat
         os.kill(old[1], signal.SIGKILL)
         await until(lambda: trainer.restarts.events, 120)
         assert trainer.restarts.events[0].error is None
-        assert (replica.state, replica.generation) == (S.HEALTHY, 1)
+        assert (replica.state, replica.generation) == (ReplicaState.HEALTHY, 1)
         new = [info.pid for _, info in (await replica.actors.describe.call()).items()]
         assert len(new) == 2 and not set(new) & set(old)
         metrics = await trainer.train_step.route(shift_loss, batch)  # a new world of 2
@@ -214,7 +213,7 @@ async def test_a_call_in_a_dead_proc_ends_within_a_second_without_a_switch():
         seen = time.monotonic() - killed
         print(f"kill -> ReplicaLostError: {seen:.3f} s")
         assert seen < 1.5
-        await until(lambda: replica.generation == 1 and replica.state is S.HEALTHY)
+        await until(lambda: replica.generation == 1 and replica.state is ReplicaState.HEALTHY)
 
 
 def slot_procs() -> list[int]:
@@ -247,5 +246,5 @@ async def test_a_shutdown_during_a_restart_ends_it_and_leaves_no_proc():
         await rm.shutdown()
     assert time.monotonic() - started < 30
     assert not trainer.restarts.running and trainer.restarts.events == []
-    assert all(r.state is S.STOPPED for r in trainer.replicas)
+    assert all(r.state is ReplicaState.STOPPED for r in trainer.replicas)
     await until(lambda: not slot_procs(), 10)

@@ -115,4 +115,4 @@ async def test_a_replica_that_lost_a_rank_is_respawned_whole_and_serves_again(
     after = await asyncio.wait_for(vllm_gen.generate.route(PROMPTS, GREEDY), 300)
     assert after == before
     replica = vllm_gen.replicas[0]
-    assert replica.respawned == 1 and replica.state is ReplicaState.HEALTHY
+    assert replica.generation == 1 and replica.state is ReplicaState.HEALTHY

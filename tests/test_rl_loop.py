@@ -103,7 +103,7 @@ async def test_the_loop_survives_a_killed_generator_replica(tmp_path):
     assert summary["final_eval_reward"] >= 0
     assert loop.killed_pid and not psutil.pid_exists(loop.killed_pid)
     replica = loop.generator.replicas[0]
-    assert replica.respawned == 1 and loop.resyncs == 1
+    assert replica.generation == 1 and loop.resyncs == 1
     # the respawned replica served with trained weights, never the initial ones
     assert loop.resynced_sum in loop.trainer_sums[2:]
 

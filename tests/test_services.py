@@ -35,6 +35,7 @@ def test_config_errors_name_the_field_and_the_limit():
         (dict(procs_per_host=2, procs_per_replica=2), "not both"),
         (dict(procs_per_replica=2, hosts_per_replica=2), "one-host replicas"),
         (dict(router="random"), "router='random'"),
+        (dict(router="sticky"), "every router keeps a session's calls on its replica"),
         (dict(when_asleep="sleep"), "when_asleep='sleep'"),
         (dict(max_retries=-1), "max_retries=-1"),
     ]
@@ -110,14 +111,14 @@ async def test_a_waiting_call_is_woken_by_the_switch_not_by_polling():
         trainer, generator = await colocated(rm)
         await rm.wake(trainer.tenant_names()[0])
         looks = 0
-        routable = generator._routable
+        ready = generator._ready
 
         def counted(exclude: set[int]) -> list[Replica]:
             nonlocal looks
             looks += 1
-            return routable(exclude)
+            return ready(exclude)
 
-        generator._routable = counted  # type: ignore[method-assign]
+        generator._ready = counted  # type: ignore[method-assign]
         call = asyncio.ensure_future(generator.work.route(5))
         await asyncio.sleep(0.5)
         assert not call.done() and looks == 1  # asleep: one look, then no polling
@@ -135,7 +136,7 @@ def test_a_replica_moves_only_along_its_states():
     assert replica.failure == "proc died" and changes.version == 3  # each move is told
     replica.generation = 2
     replica.move(ReplicaState.HEALTHY)
-    assert (replica.tenant, replica.respawned, replica.failure) == ("gen_g2_r0_g2", 2, None)
+    assert (replica.tenant, replica.generation, replica.failure) == ("gen_g2_r0_g2", 2, None)
     with pytest.raises(ReplicaStateError, match="replica 0 of service 'gen_g2' cannot go from "
                        "healthy to recovering"):
         replica.move(ReplicaState.RECOVERING)
@@ -160,6 +161,10 @@ async def test_sessions_stick_and_errors_reach_the_caller():
                 await generator.work.route(1)
             with pytest.raises(AttributeError, match="no endpoint 'nope'"):
                 generator.nope  # noqa: B018
+            with pytest.raises(AttributeError, match="no endpoint 'wrk'; did you mean 'work'"):
+                generator.wrk  # noqa: B018
+            with pytest.raises(AttributeError, match=r"supports route\(\) .* and fanout\(\)"):
+                generator.work.call_one(1)
 
 
 async def test_a_killed_replica_loses_no_request_and_comes_back():
@@ -180,8 +185,8 @@ async def test_a_killed_replica_loses_no_request_and_comes_back():
             return out
 
         async with generator.session() as session:  # a session on the replica to kill
-            while generator.sessions.get(session) != victim.index:
-                generator.sessions.pop(session, None)
+            while generator.router.sessions.get(session) != victim.index:
+                generator.router.end(session)
                 await generator.work.route(0, session=session)
             clients = [asyncio.create_task(client(1000 * c)) for c in range(4)]
             await asyncio.sleep(0.2)
@@ -191,7 +196,7 @@ async def test_a_killed_replica_loses_no_request_and_comes_back():
                     break
                 await asyncio.sleep(0.01)
             assert await generator.work.route(5, session=session) == 5
-            assert generator.sessions[session] == 1  # the session moved
+            assert generator.router.sessions[session] == 1  # the session moved
             results = await asyncio.gather(*clients)
         assert results == [list(range(1000 * c, 1000 * c + 60)) for c in range(4)]
         await back(victim)

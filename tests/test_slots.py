@@ -3,6 +3,8 @@ bootstrap command carries. The GPUs are injected facts here; tests/gpu checks th
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from colocate.resources.hosts import GPU_SLOT_ENV, Gpu, slot_gpu, visible_gpus
@@ -55,3 +57,64 @@ def test_gpu_slot_procs_start_in_preload_mode_when_this_process_runs_in_it(monke
     assert "torch_memory_saver_hook_mode_preload" in env["LD_PRELOAD"]
     assert env["COLOCATE_TMS_HOOK_MODE"] == "preload"
     assert "LD_PRELOAD" not in _slot_env(0, virtual=True)  # CPU procs: nothing to hook
+
+
+class _FakeNvml:
+    """pynvml's surface that `colocate.resources.gpus` uses, failing nvmlInit with `code`."""
+
+    NVML_ERROR_LIBRARY_NOT_FOUND, NVML_ERROR_DRIVER_NOT_LOADED = 12, 9
+
+    class NVMLError(Exception):
+        def __init__(self, value: int) -> None:
+            super().__init__(f"NVML error {value}")
+            self.value = value
+
+    def __init__(self, code: int | None) -> None:
+        self.code, self.inits = code, 0
+
+    def nvmlInit(self) -> None:
+        self.inits += 1
+        if self.code is not None:
+            raise self.NVMLError(self.code)
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        raise self.NVMLError(15)  # NVML_ERROR_GPU_IS_LOST
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    from colocate.resources import gpus
+
+    def install(code: int | None) -> _FakeNvml:
+        fake = _FakeNvml(code)
+        monkeypatch.setitem(sys.modules, "pynvml", fake)
+        gpus._nvml.cache_clear()
+        return fake
+
+    yield install
+    gpus._nvml.cache_clear()
+
+
+def test_nvml_is_probed_once_and_its_absence_means_no_gpus(fake_nvml):
+    from colocate.resources.gpus import nvml_available, nvml_gpus
+
+    fake = fake_nvml(_FakeNvml.NVML_ERROR_DRIVER_NOT_LOADED)
+    assert nvml_gpus() == [] and nvml_gpus() == [] and not nvml_available()
+    assert fake.inits == 1
+
+
+def test_a_real_nvml_error_is_named_not_taken_for_no_gpus(fake_nvml):
+    from colocate.resources.gpus import NvmlError, nvml_gpus
+
+    fake_nvml(4)  # NVML_ERROR_NO_PERMISSION
+    with pytest.raises(NvmlError, match="nvmlInit failed: NVML error 4"):
+        nvml_gpus()
+    fake_nvml(None)  # starts, then loses the GPU
+    with pytest.raises(NvmlError, match=r"nvmlDeviceGetHandleByIndex\(0\) failed"):
+        nvml_gpus()

@@ -94,7 +94,7 @@ async def test_a_killed_ranks_shared_memory_goes_with_its_respawn_and_no_one_els
         psutil.wait_procs([psutil.Process(pids[1])], timeout=30)
         assert files[1].exists()  # what vLLM would have removed at a normal exit
         await asyncio.wait_for(service.generate.route(PROMPTS, GREEDY), 300)  # respawned
-        assert service.replicas[0].respawned == 1
+        assert service.replicas[0].generation == 1
         assert not files[1].exists()  # removed for the dead rank, by its pid
         assert files[0].exists() and psutil.pid_exists(pids[0])  # a live rank's: kept
         assert unrecorded.exists()

@@ -36,9 +36,9 @@ from colocate.arbiter.tenant import TenantInfo
 from colocate.checks import check_int
 from colocate.monarch_compat import mesh_name
 from colocate.resources.faults import Faults
+from colocate.resources.gpus import gpus_per_host as detect_gpus
 from colocate.resources.groups import Allocation, Group, Groups
 from colocate.resources.hosts import HostJob, start_hosts
-from colocate.resources.hosts import gpus_per_host as detect_gpus
 from colocate.resources.packing import (
     Inventory,
     ResourceError,

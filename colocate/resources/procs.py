@@ -3,7 +3,7 @@ and stop them.
 
 One function starts procs for a resource group and for the replacement of dead ones
 (`spawn_slot_procs`): each proc gets `COLOCATE_SLOT` and, on a real GPU, the slot to
-resolve to a GPU UUID at bootstrap (`hosts.run_on_slot_gpu` sets CUDA_VISIBLE_DEVICES),
+resolve to a GPU UUID at bootstrap (`gpus.run_on_slot_gpu` sets CUDA_VISIBLE_DEVICES),
 plus torch_memory_saver's preload environment in preload mode. `stop_procs` stops a proc
 mesh within a grace period, kills what is left by pid, and removes the shared-memory files
 its procs recorded (`shm_files`).
@@ -45,12 +45,12 @@ def rank_of(mesh: Any, rank: int, procs_per_host: int) -> Any:
 
 def _slot_env(slot: int, virtual: bool) -> dict[str, str]:
     """A slot proc's environment: its slot, and on a real GPU the slot to resolve to a GPU
-    UUID when the proc starts (`hosts.run_on_slot_gpu`), plus torch_memory_saver's preload
+    UUID when the proc starts (`gpus.run_on_slot_gpu`), plus torch_memory_saver's preload
     environment when this process runs in preload mode (`COLOCATE_TMS_HOOK_MODE=preload`):
     the hook must be in LD_PRELOAD before the proc starts. Its paths are this process's,
     as the bootstrap's Python is (hosts run the same installation)."""
     from colocate.memory.cuda import HOOK_MODE_ENV
-    from colocate.resources.hosts import GPU_SLOT_ENV
+    from colocate.resources.gpus import GPU_SLOT_ENV
 
     if virtual:
         return {SLOT_ENV: str(slot)}
@@ -67,9 +67,9 @@ def _slot_env(slot: int, virtual: bool) -> dict[str, str]:
 def _bootstrap(env: Callable[[dict[str, int]], dict[str, str]]) -> Callable[[Any], Any]:
     """A bootstrap command for each proc with `env(its coordinates)` added, set before the
     proc starts. A GPU slot's proc (`GPU_SLOT_ENV` in its env) first runs
-    `hosts.run_on_slot_gpu`, which sets CUDA_VISIBLE_DEVICES to its GPU's UUID on the proc's
+    `gpus.run_on_slot_gpu`, which sets CUDA_VISIBLE_DEVICES to its GPU's UUID on the proc's
     own host, then Monarch's bootstrap module, so CUDA sees only that GPU."""
-    from colocate.resources.hosts import GPU_SLOT_ENV
+    from colocate.resources.gpus import GPU_SLOT_ENV
 
     def command(point: Any) -> BootstrapCommand:
         base = default_bootstrap_cmd()
@@ -80,7 +80,7 @@ def _bootstrap(env: Callable[[dict[str, int]], dict[str, str]]) -> Callable[[Any
                 raise ResourceError(
                     f"cannot give a GPU slot's proc its GPU: Monarch's bootstrap command is "
                     f"{base.program} {args}, not `python -m <module>`")
-            args = ["-c", "from colocate.resources.hosts import run_on_slot_gpu; "
+            args = ["-c", "from colocate.resources.gpus import run_on_slot_gpu; "
                     f"run_on_slot_gpu({args[1]!r})", *args[2:]]
         return BootstrapCommand(base.program, base.arg0, args, {**(base.env or {}), **extra})
 

@@ -1,4 +1,4 @@
-"""Entry point of one Monarch host started through torchx (see `colocate.resources.hosts`).
+"""Entry point of one Monarch host started through torchx (see `colocate.resources.torchx_hosts`).
 
     python -m colocate.resources.worker [--host H] [--port-base P] [--replica-id R]
                                         [--parent-pid PID]

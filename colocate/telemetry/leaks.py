@@ -12,13 +12,12 @@ KIB = 1 << 10
 MIB = 1 << 20
 
 # The steady growth per cycle (one pause of a tag) that is not counted as a leak: 64 KiB a
-# cycle. The runtime grows without any tenant leaking: Monarch 0.7.0 keeps about 0.4 KiB of
-# native memory per message a proc handles (bench/monarch_growth.py), and the RL loop's
-# tenant proc, which handles 16 messages a step and pauses each tag once a step, grew
-# 9.5 KiB a step over 2000 steps (bench/RESULTS.md, bench/soak.py section). 64 KiB a cycle
-# is about 7 times that, or about 160 messages a cycle; a tensor of 1 MiB a cycle kept
-# outside its tag is 16 times it. A proc that handles more messages than that between two
-# pauses of a tag needs a larger value.
+# cycle. The runtime grows without any tenant leaking: Monarch 0.7.0 keeps native memory
+# for each message a proc handles (bench/monarch_growth.py), so 64 KiB a cycle allows about
+# 160 messages between two pauses of a tag, while a tensor of 1 MiB a cycle kept outside its
+# tag is 16 times it. A proc that handles more messages than that between two pauses of a
+# tag needs a larger value. (The measurements: bench/RESULTS.md, "Where the telemetry
+# defaults come from".)
 DRIFT_BYTES_PER_CYCLE = 64 * KIB
 
 
@@ -141,8 +140,9 @@ class LeakTracker:
                 self._tags.pop(tag, None)
 
 
-# Measured in the RL loop's procs (CPU, about 600 MiB RSS): the residual climbs about 30 MiB
-# over the first 5 cycles and about 9 MiB more by cycle 10, then holds within 8 MiB.
+# The default tracker waits out the first 10 cycles (a proc's residual climbs while its
+# caches fill) and then allows 16 MiB of swing before growth counts (bench/RESULTS.md,
+# "Where the telemetry defaults come from").
 _default = LeakTracker(tolerance_bytes=16 << 20, warmup=10)
 
 

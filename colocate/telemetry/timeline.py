@@ -17,10 +17,10 @@ from typing import Any
 OPS = ("pause", "resume")
 GIB = 1 << 30
 
-# How many events a timeline keeps by default: the most recent 4096, about 2 MiB at the
-# ~530 B an event measured in the RL loop's procs, i.e. its last 512 steps at 8 events a
-# step. Unbounded, the proc's timeline was 16,001 events (8.1 MiB) after 2000 steps and
-# grew RSS by as much (bench/RESULTS.md, bench/soak.py section).
+# How many events a timeline keeps by default: the most recent 4096, about 2 MiB, the RL
+# loop's last 512 steps at 8 events a step. Bounded because a proc's timeline lives as long
+# as the proc: an unbounded one grows its RSS with every step (bench/RESULTS.md, "Where the
+# telemetry defaults come from").
 DEFAULT_MAX_EVENTS = 4096
 # Sets the process-wide timeline's bound (read once, at import): a count of events, or 0
 # to keep every event.

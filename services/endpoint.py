@@ -1,0 +1,79 @@
+"""`svc.<endpoint>`: a service's typed handle on one endpoint of its actor class.
+
+    svc: Service[Generator] = await spawn_service(config, Generator)
+    text = await svc.generate.route(prompt)       # typed as Generator.generate: str -> str
+    texts = await svc.generate.fanout(prompt)     # list[str]
+
+`ServiceEndpoint[P, R]` keeps the endpoint's parameters `P` and result `R`, as Monarch's
+`Endpoint(Protocol[P, R])` does for an actor mesh; with the mypy plugin
+(`plugins = ["services.mypy_plugin"]`) `svc.generate` is typed from `Generator.generate`,
+so a type checker flags a wrong argument. A service reaches its replicas through `route`
+(one replica) and `fanout` (every awake one) only: Monarch's actor verbs (`call`,
+`call_one`, `choose`, `broadcast`, `stream`) raise `AttributeError` saying so, and
+`endpoint_error` tells a method that is not an `@endpoint` from a name that is not there.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+ACTOR_VERBS = ("call", "call_one", "choose", "broadcast", "stream", "rref")
+
+Route = Callable[[str, tuple, dict, str | None], Awaitable[Any]]
+Fanout = Callable[[str, tuple, dict], Awaitable[list[Any]]]
+
+
+class ServiceEndpoint(Generic[P, R]):
+    """`route` to one awake, healthy replica (sticking to `session=`'s replica, as
+    `Service.session` gives one); `fanout` to every awake, healthy one."""
+
+    def __init__(self, service: str, name: str, route: Route, fanout: Fanout) -> None:
+        self.service, self.name = service, name
+        self._route, self._fanout = route, fanout
+
+    async def route(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """The endpoint's result on one replica. `session=` (from `Service.session`) keeps
+        the calls of a session on one replica; the mypy plugin types it as `str | None`."""
+        session = kwargs.pop("session", None)
+        if session is not None and not isinstance(session, str):
+            raise TypeError(f"session= takes a session id from Service.session(), got "
+                            f"{type(session).__name__}")
+        return await self._route(self.name, args, kwargs, session)
+
+    async def fanout(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """The endpoint's results on every awake, healthy replica, in replica order."""
+        return await self._fanout(self.name, args, kwargs)
+
+    if not TYPE_CHECKING:  # a type checker reports these as missing attributes instead
+
+        def __getattr__(self, name: str) -> Any:
+            if name in ACTOR_VERBS:
+                raise AttributeError(
+                    f"service {self.service!r}: {self.name}.{name}() is an actor verb; a "
+                    f"service supports route() (one replica) and fanout() (every awake "
+                    f"replica): use {self.name}.route(...) or {self.name}.fanout(...)")
+            raise AttributeError(f"service endpoint {self.name!r} has no attribute {name!r}; "
+                                 "it has route() and fanout()")
+
+    def __repr__(self) -> str:
+        return f"<endpoint {self.name!r} of service {self.service!r}>"
+
+
+def endpoint_error(service: str, actor_class: type, endpoints: set[str],
+                   name: str) -> AttributeError:
+    """Why `svc.<name>` is no endpoint: a method of the class not marked `@endpoint`, or a
+    name the class does not have (with the endpoints spelled closest to it)."""
+    where = f"service {service!r} ({actor_class.__name__})"
+    if callable(getattr(actor_class, name, None)):
+        return AttributeError(
+            f"{where}: {actor_class.__name__}.{name} is a method, not an @endpoint: a service "
+            f"reaches only endpoints. Mark it @endpoint to route calls to it.")
+    close = difflib.get_close_matches(name, sorted(endpoints), n=3)
+    hint = (f"did you mean {' or '.join(map(repr, close))}?" if close else
+            f"its endpoints: {', '.join(sorted(endpoints)) or 'none'}")
+    return AttributeError(f"{where} has no endpoint {name!r}; {hint}")
