@@ -34,9 +34,10 @@ from colocate.engines.tiny import write_tiny_model
 from examples.rl_loop import task
 from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.data import Row
+from examples.rl_loop.memory import ProcPeaks, resident_per_proc
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.recovery import Recovery
-from examples.rl_loop.reference import ProcPeaks, spawn_reference
+from examples.rl_loop.reference import spawn_reference
 from examples.rl_loop.rollouts import GRPOLoss, ReferenceLogprobs, scored_batch
 from examples.rl_loop.sources import check_fits, make_source
 from examples.rl_loop.state import (
@@ -53,7 +54,7 @@ from services import (
     spawn_service,
     sync_weights,
 )
-from services.replica import Replica, ReplicaState
+from services.replica import Replica
 
 ROOT = Path(__file__).resolve().parents[2]
 logger = logging.getLogger(__name__)
@@ -71,24 +72,6 @@ def model_dir(cfg: RLConfig, out: Path, alphabet: str = task.ALPHABET) -> Path:
                             hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
                             kv_heads=m.kv_heads, intermediate_size=m.intermediate_size,
                             max_positions=m.max_positions, init_std=m.init_std, seed=m.seed)
-
-
-async def resident(service: Service) -> int:
-    """Bytes the service's healthy tenants hold now, over all their procs."""
-    return sum((await resident_per_proc(service)).values())
-
-
-async def resident_per_proc(service: Service) -> dict[int, int]:
-    """Bytes the service's healthy tenants hold now, per proc (pid) (asked directly, since
-    a sleeping replica takes no routed calls)."""
-    held: dict[int, int] = {}
-    for replica in service.replicas:
-        if replica.state is not ReplicaState.HEALTHY:
-            continue  # died: what it held went with its procs
-        infos = await replica.actors.describe.call()
-        for _, info in infos.items():
-            held[info.pid] = held.get(info.pid, 0) + info.resident_bytes
-    return held
 
 
 class Loop:
