@@ -43,8 +43,9 @@ from monarch.actor import ActorError
 from colocate.memory import TagPausedError
 from colocate.monarch_compat import endpoint_names
 from colocate.resources.groups import Allocation
-from colocate.resources.manager import ResourceManager, Watcher
+from colocate.resources.manager import ResourceManager
 from colocate.resources.packing import ResourceRequest
+from colocate.resources.watcher import Watcher
 from services.autoscaler import Autoscaler, LoadSnapshot, ReplicaLoad
 from services.config import ServiceConfig
 from services.distributed import setup_distributed

@@ -12,9 +12,10 @@ import pytest
 from monarch.actor import ActorError
 
 from colocate.arbiter import SwitchError
-from colocate.resources.manager import Watcher, init
+from colocate.resources.manager import init
 from colocate.resources.packing import ResourceError, ResourceRequest, ResourceValueError
 from colocate.resources.procs import ProcProbe
+from colocate.resources.watcher import Watcher
 from colocate.testing import FailingSleepTenant, MemoryTenant, start_runtime
 
 MiB = 1 << 20

@@ -11,8 +11,8 @@ import pytest
 from colocate import phase
 from colocate.arbiter import TenantLostError
 from colocate.resources.groups import Allocation
-from colocate.resources.manager import Watcher
 from colocate.resources.packing import ResourceRequest
+from colocate.resources.watcher import Watcher
 from colocate.testing import MemoryTenant, start_runtime
 from services import (
     ServiceAsleepError,

@@ -14,28 +14,21 @@ Listeners (services) hear of each spawn that failed, once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from colocate.arbiter.errors import ArbiterError
+from colocate.resources.watcher import Watcher
 
 logger = logging.getLogger(__name__)
 
 UNCLAIMED_KEPT = 64  # faults of meshes not tracked (yet), kept for a spawn still recording
 
 
-class FaultListener(Protocol):
-    """`failed(name, why)` is called on Monarch's thread, or on the loop of a switch that
-    found the spawn's proc dead: record and schedule only."""
-
-    failed: Callable[[str, str], None]
-
-
 class Faults:
     """Which spawned actor meshes exist (by spawn name) and which of them failed."""
 
     def __init__(self) -> None:
-        self.listeners: list[FaultListener] = []
+        self.listeners: list[Watcher] = []  # failed
         self._names: dict[str, str | None] = {}  # spawn name -> Monarch's full mesh name
         self._meshes: dict[str, str] = {}  # Monarch's full mesh name -> spawn name
         self._failed: dict[str, str] = {}  # spawn name -> why

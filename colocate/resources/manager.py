@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import monarch.actor
@@ -49,41 +47,9 @@ from colocate.resources.proc_watch import ProcWatch
 from colocate.resources.procs import rank_of
 from colocate.resources.spawning import check_importable, check_started
 from colocate.resources.switching import Switchboard
+from colocate.resources.watcher import Watcher
 
 logger = logging.getLogger(__name__)
-
-
-async def _drained(tenants: set[str]) -> None:
-    return None
-
-
-def _unchanged() -> None:
-    return None
-
-
-def _not_failed(name: str, why: str) -> None:
-    return None
-
-
-async def _closed(grace_s: float) -> None:
-    return None
-
-
-@dataclass(frozen=True)
-class Watcher:
-    """What a client of the runtime (a service) hears, given to `rm.watch`:
-    `drain(tenants)` before a switch that may put `tenants` to sleep (routing to them has
-    stopped; return when their calls in flight are done); `changed()` after the view of who
-    is awake changed or a switch ended (any thread); `failed(name, why)` when a spawn's
-    mesh failed or an arbiter found its proc dead (on Monarch's thread, or the loop's:
-    record and schedule only); `close(grace_s)` when the runtime shuts down (take no new
-    calls, end the waiting ones, give those in flight `grace_s` to finish, then end them
-    with an error; return when every call has ended)."""
-
-    drain: Callable[[set[str]], Awaitable[None]] = _drained
-    changed: Callable[[], None] = _unchanged
-    failed: Callable[[str, str], None] = _not_failed
-    close: Callable[[float], Awaitable[None]] = _closed
 
 
 class ResourceManager:
@@ -109,7 +75,8 @@ class ResourceManager:
         return self.groups.inventory.gpus_per_host
 
     def watch(self, watcher: Watcher) -> None:
-        """Tell `watcher` of switches, faults and the shutdown from now on."""
+        """Tell `watcher` of switches, faults and the shutdown from now on (each part
+        calls what is its own: see `colocate.resources.watcher`)."""
         self.watchers.append(watcher)
         self.switchboard.watchers.append(watcher)
         self.faults.listeners.append(watcher)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from colocate.abortable import Abortable
 from colocate.arbiter.actor import Arbiter, HostStatus, remote_errors
@@ -23,17 +23,9 @@ from colocate.arbiter.core import ArbiterConfig
 from colocate.arbiter.errors import ArbiterError, SwitchAbortedError, TenantLostError
 from colocate.resources.groups import Allocation
 from colocate.resources.procs import SlotProcs, rank_of, select, stop_procs
+from colocate.resources.watcher import Watcher
 
 DRAIN_LIVENESS_S = 0.25  # while a drain waits: how often the drained tenants' procs are checked
-
-
-class SwitchWatcher(Protocol):
-    """Told about switches: `drain(tenants)` before a switch that may put `tenants` to sleep
-    (routing to them has stopped; return when their calls in flight are done), `changed()`
-    after the view of who is awake changed or a switch ended."""
-
-    drain: Callable[[set[str]], Awaitable[None]]
-    changed: Callable[[], None]
 
 
 class Switchboard:
@@ -48,7 +40,7 @@ class Switchboard:
         self.pids: dict[str, dict[tuple[int, int], int]] = {}  # name -> (host, slot) -> pid
         self.awake: dict[str, bool] = {}  # name -> fully awake on all its slots (last view)
         self.host_status: dict[int, HostStatus] = {}  # the arbiters' answers, last view
-        self.watchers: list[SwitchWatcher] = []
+        self.watchers: list[Watcher] = []  # drain and changed
         self._switching: Counter[str] = Counter()
         self._under_way = Abortable()  # the switches: a shutdown ends them
         self._procs: SlotProcs | None = None
