@@ -29,7 +29,7 @@ from examples.rl_loop.state import (
 
 pytestmark = pytest.mark.timeout(900)
 ROOT = Path(__file__).resolve().parents[1]
-COMPARED = ("reward", "loss", "grad_norm", "eval_reward")
+COMPARED = ("reward", "loss", "grad_norm", "kl", "eval_reward")
 
 
 def rows(out: Path) -> dict[int, dict]:
@@ -211,20 +211,23 @@ async def pids(service) -> set[int]:
     return {info.pid for _, info in infos.items()}
 
 
+@pytest.mark.parametrize("beta", ["0", "0.1"], ids=["two_tenants", "with_a_reference"])
 async def test_a_killed_slot_proc_restarts_the_group_and_the_run_ends_as_if_never_killed(
-        tmp_path):
-    """SIGKILL of the proc a trainer and a generator share, in step 3: the group comes back
-    (both in one new process again), the loop reloads the checkpoint of step 2 and redoes
-    step 2, and the run ends with the per-step metrics of a run never killed, the restart
-    recorded in metrics.json and TensorBoard."""
-    await run_loop(tmp_path / "full", "run.steps=5")
+        tmp_path, beta):
+    """SIGKILL of the proc a trainer and a generator (and, with grpo.beta > 0, the
+    reference) share, in step 3: the group comes back (all in one new process again), the
+    loop reloads the checkpoint of step 2 and redoes step 2, and the run ends with the
+    per-step metrics of a run never killed, the restart recorded in metrics.json and
+    TensorBoard."""
+    await run_loop(tmp_path / "full", "run.steps=5", f"grpo.beta={beta}")
     cfg = load_config(overrides=["run.seed=7", "run.eval_every=1", "run.save_every=2",
-                                 "run.steps=5", f"run.out={tmp_path / 'killed'}"])
+                                 "run.steps=5", f"grpo.beta={beta}",
+                                 f"run.out={tmp_path / 'killed'}"])
     loop = KillingLoop(cfg, kill_at=3)
     after: dict[str, set[int]] = {}
 
     async def shared_pids(event) -> None:
-        after.update(trainer=await pids(loop.trainer), generator=await pids(loop.generator))
+        after.update({name: await pids(service) for name, service in loop.services().items()})
 
     summary = None
     real_start = loop.start
@@ -243,6 +246,9 @@ async def test_a_killed_slot_proc_restarts_the_group_and_the_run_ends_as_if_neve
     assert str(loop.killed_pid) in restart["cause"] or "died" in restart["cause"]
     assert restart["seconds_lost"] > 0
     assert after["trainer"] == after["generator"] and loop.killed_pid not in after["trainer"]
+    assert after.get("reference", after["trainer"]) == after["trainer"]
+    assert set(after) == ({"trainer", "generator", "reference"} if float(beta) else
+                          {"trainer", "generator"})
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "killed" / "tensorboard"))
