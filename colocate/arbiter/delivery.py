@@ -113,7 +113,6 @@ class Courier:
     def __init__(self, config: ArbiterConfig) -> None:
         self.config = config
         self._ids = itertools.count(random.randrange(1 << 30))  # plan ids: new per run
-        self.messages = 0  # run_plan messages sent (a test counts them)
 
     def plan(self, steps: list[Step], remote: bool) -> Plan:
         c = self.config
@@ -172,7 +171,6 @@ class Courier:
                             else (reached[0], plan.steps[reached[0]].label(reached[1])))
             return seen[0]
 
-        self.messages += 1
         try:
             return await watched(self.config.call_timeout_s, lambda: where()[1],
                                  slot.tenants[runner].run_plan(plan), slot, runner)
