@@ -84,10 +84,6 @@ class Slot:
         self.unknown.discard(name)
         self.mark(name, info.awake_stages)
 
-    def pid(self, name: str) -> int:
-        """The process of tenant `name`."""
-        return self.infos[name].pid
-
     def who(self) -> str:
         """Who is awake, asleep, unknown or lost on this slot, in words."""
         parts = []

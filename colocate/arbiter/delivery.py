@@ -181,8 +181,8 @@ class Courier:
         except ArbiterTimeoutError as err:
             index, label = where()
             return PlanResult(done=index, failure=Failure(
-                index, label, "timeout", f"no answer within {self.config.call_timeout_s} s "
-                "(busy or hung there)", error=err))
+                index, label, "timeout", f"no answer within {self.config.call_timeout_s} s; "
+                f"the proc was at {label} (busy or hung there)", error=err))
         except Exception as err:  # Monarch reports the actor or its proc failed
             index, label = where()
             if not telemetry.process_runs(pid):
