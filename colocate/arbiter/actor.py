@@ -24,6 +24,7 @@ a direct actor call, which Monarch delivers wrapped in its `ActorError`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -65,12 +66,15 @@ class _KeepsInitError(type(Actor)):
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().__call__(*args, **kwargs)
+            instance = super().__call__(*args, **kwargs)
         except Exception as err:
             traceback.clear_frames(err.__traceback__)  # lets go of what __init__ made
             instance = cls.__new__(cls)
             instance.__dict__["_init_error"] = err
             return instance
+        with contextlib.suppress(Exception):  # outside an actor it has no name: started()
+            _HERE[instance.tenant_name] = instance  # for the plans run in this process
+        return instance
 
 
 _BUSY_MADE = threading.Lock()  # guards the first creation of each tenant's busy lock
