@@ -194,3 +194,38 @@ def test_a_fault_in_the_middle_of_a_plan_rolls_back_and_says_where(isolated):
                                      "gen": ["paused", "paused"]})
     assert out["gen_kept"]  # the copy broke off before writing
     assert out["after_retry"] == {"trainer": [], "gen": ["weights", "kv_cache"]}
+
+
+def test_a_plan_calls_a_tenant_only_once_its_running_call_is_done():
+    """In a proc, the plan runs on one tenant actor's thread and calls into the others:
+    each of their endpoints holds the tenant's busy lock, so a plan's sleep waits for the
+    call the tenant is running, and no call of it runs during the sleep."""
+    import threading
+    import time
+
+    from monarch.actor import endpoint
+
+    from colocate.arbiter.actor import TenantActor, _OwnCalls
+
+    events: list[str] = []
+
+    class Busy(TenantActor):
+        @endpoint
+        def work(self, seconds: float) -> None:
+            events.append("work starts")
+            time.sleep(seconds)
+            events.append("work ends")
+
+        @endpoint
+        def sleep(self, stages=None) -> int:
+            events.append("sleep")
+            return 0
+
+    actor = Busy.__new__(Busy)  # its methods, as Monarch calls them (no proc needed)
+    working = threading.Thread(target=Busy.work._method, args=(actor, 0.3))
+    working.start()
+    while not events:
+        time.sleep(0.001)
+    _OwnCalls(actor).sleep(None)  # what run_here calls for a step of this tenant
+    working.join()
+    assert events == ["work starts", "work ends", "sleep"]
