@@ -26,7 +26,7 @@ _EXPORTS = {
     "phase": "colocate.phases",
     "TenantActor": "colocate.arbiter.actor",
     "ResourceRequest": "colocate.resources.packing",
-    "ArbiterConfig": "colocate.arbiter.core",
+    "ArbiterConfig": "colocate.arbiter.config",
     "remote_errors": "colocate.arbiter.actor",
     "SpawnError": "colocate.resources.spawning",
 }

@@ -1,11 +1,16 @@
 """The arbiter: per-host time-sharing of slot memory between colocated tenants.
 
-`core.SlotArbiter` holds the logic and runs without Monarch; `actor.Arbiter` is the
-per-host Monarch actor around it; `policy` answers its questions (who sleeps, who may
-share a slot); `tenant` is the protocol tenants follow.
+`core.SlotArbiter` decides (per-slot order, the cross-tenant view, rollback) and runs
+without Monarch; `config` holds its settings and per-slot state; a switch is a `plan`
+per proc, carried out where the memory is (`delivery` sends it and reads the answer,
+`handoff` builds the trainer-to-generator one, `undo` rolls a failed one back);
+`actor.Arbiter` is the per-host Monarch actor around it and `actor.TenantActor` the
+tenants' base class, which runs plans; `policy` answers its questions (who sleeps, who
+may share a slot); `tenant` is the protocol tenants follow.
 """
 
-from colocate.arbiter.core import ArbiterConfig, SlotArbiter
+from colocate.arbiter.config import ArbiterConfig
+from colocate.arbiter.core import SlotArbiter
 from colocate.arbiter.errors import (
     ArbiterError,
     ArbiterTimeoutError,

@@ -1,11 +1,22 @@
 """The arbiter on Monarch: the per-host `Arbiter` actor and the `TenantActor` base class.
 
 A `TenantActor` is a colocated actor (trainer, generator...) whose memory lives under
-`colocate.memory` tags, one per stage; the arbiter reaches it through its own mailbox, so
-a sleep is ordered after the tenant's in-flight work. Its sleep, wake and describe
-endpoints are its tenancy's (`self.tenancy`: a `TaggedTenant` over `stages`, or the one
-its engine hands over). Tenant endpoints are sync, so a subclass's endpoints must be sync
-too (Monarch does not mix the two in one class).
+`colocate.memory` tags, one per stage. Its sleep, wake and describe endpoints are its
+tenancy's (`self.tenancy`: a `TaggedTenant` over `stages`, or the one its engine hands
+over); a subclass may override them (and `receive`). Tenant endpoints are sync, so a
+subclass's endpoints must be sync too (Monarch does not mix the two in one class).
+
+A switch reaches a proc as one plan (`run_plan`, plan.py), sent to one tenant actor of
+the proc, which carries it out against every tenant of its process by calling their own
+sleep, wake and receive. The guarantee of the one-message-per-call design is kept: a
+tenant is never paused or woken while one of its calls runs. The plan is an endpoint, so
+it runs after the receiving tenant's calls already in its mailbox; and every endpoint of
+a `TenantActor` runs holding its tenant's busy lock (a re-entrant lock per actor, taken
+around the endpoint's method: each actor runs its sync endpoints one at a time on its
+own thread anyway), which the plan takes before calling into another tenant of the
+process. So each tenant's sleep or wake runs once its call in flight has drained, and
+no call of it starts until the step is done. (Calls of a tenant about to sleep are
+drained by its services before the switch is sent: `resources.switching`.)
 
 `remote_errors()` lets a caller catch the runtime's own errors (`TagPausedError`...) around
 a direct actor call, which Monarch delivers wrapped in its `ActorError`.
@@ -13,9 +24,14 @@ a direct actor call, which Monarch delivers wrapped in its `ActorError`.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
+import os
 import pickle
+import threading
 import traceback
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -23,9 +39,11 @@ from typing import Any, ClassVar
 
 from monarch.actor import Actor, ActorError, concurrent_endpoint, current_actor_name, endpoint
 
-from colocate.arbiter.core import ArbiterConfig, SlotArbiter
+from colocate.arbiter.config import ArbiterConfig
+from colocate.arbiter.core import SlotArbiter
 from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.pid_watch import PidWatch
+from colocate.arbiter.plan import Plan, PlanResult, run_here
 from colocate.arbiter.tenant import TaggedTenant, Tenancy, TenantInfo
 from colocate.monarch_compat import EndpointProperty
 
@@ -43,16 +61,52 @@ class _KeepsInitError(type(Actor)):
 
     def __init__(cls, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        _serialize_endpoints(cls)
         _document_endpoints(cls)
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().__call__(*args, **kwargs)
+            instance = super().__call__(*args, **kwargs)
         except Exception as err:
             traceback.clear_frames(err.__traceback__)  # lets go of what __init__ made
             instance = cls.__new__(cls)
             instance.__dict__["_init_error"] = err
             return instance
+        with contextlib.suppress(Exception):  # outside an actor it has no name: started()
+            _HERE[instance.tenant_name] = instance  # for the plans run in this process
+        return instance
+
+
+_BUSY_MADE = threading.Lock()  # guards the first creation of each tenant's busy lock
+
+
+def _busy_lock(actor: Any) -> threading.RLock:
+    """The busy lock of a tenant actor: held while any of its endpoints runs."""
+    lock = actor.__dict__.get("_busy")
+    if lock is None:
+        with _BUSY_MADE:
+            lock = actor.__dict__.setdefault("_busy", threading.RLock())
+    return lock
+
+
+def _serialize_endpoints(cls: type) -> None:
+    """Make each sync endpoint defined by `cls` run holding its actor's busy lock."""
+    for value in vars(cls).values():
+        method = getattr(value, "_method", None)
+        if isinstance(value, EndpointProperty) and method is not None \
+                and not getattr(method, "_holds_busy", False) \
+                and not inspect.iscoroutinefunction(method):
+            value._method = _holding_busy(method)
+
+
+def _holding_busy(method: Any) -> Any:
+    @functools.wraps(method)
+    def holding(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _busy_lock(self):
+            return method(self, *args, **kwargs)
+
+    holding._holds_busy = True  # type: ignore[attr-defined]
+    return holding
 
 
 def _document_endpoints(cls: type) -> None:
@@ -113,6 +167,7 @@ class TenantActor(Actor, metaclass=_KeepsInitError):
         message when it would not survive the trip to the caller)."""
         err = self.__dict__.get("_init_error")
         if err is None:
+            _HERE[self.tenant_name] = self
             return
         try:
             pickle.loads(pickle.dumps(err))
@@ -138,6 +193,36 @@ class TenantActor(Actor, metaclass=_KeepsInitError):
         bytes copied. Tenants that take weights (generators) override this."""
         raise TypeError(f"{type(self).__name__} takes no weights: only a tenant that "
                         f"overrides receive() can be the target of a handoff from {source}")
+
+    @endpoint
+    def run_plan(self, plan: Plan) -> PlanResult:
+        """Carry out the arbiter's plan for this proc (see the module), step by step,
+        against the tenants of this process; answer once, with where it stopped if it
+        did."""
+        return run_here(plan, _tenant_here)
+
+
+_HERE: weakref.WeakValueDictionary[str, TenantActor] = weakref.WeakValueDictionary()
+
+
+class _OwnCalls:
+    """A tenant actor of this process, called as its endpoints would be (each call holds
+    its busy lock, so it waits for the call the tenant is running)."""
+
+    def __init__(self, actor: TenantActor) -> None:
+        self.actor = actor
+
+    def __getattr__(self, method: str) -> Any:
+        return functools.partial(getattr(type(self.actor), method)._method, self.actor)
+
+
+def _tenant_here(name: str) -> _OwnCalls:
+    actor = _HERE.get(name)
+    if actor is None:
+        raise ArbiterError(f"tenant {name!r} is not in this process (pid {os.getpid()}; "
+                           f"tenants here: {sorted(_HERE)}): a plan runs where its tenants "
+                           "live, so its arbiter's view of this proc is wrong")
+    return _OwnCalls(actor)
 
 
 @asynccontextmanager
@@ -196,6 +281,9 @@ class ActorTenantHandle:
 
     async def receive(self, source: str) -> int:
         return await self._call("receive", source)
+
+    async def run_plan(self, plan: Plan) -> PlanResult:
+        return await self._call("run_plan", plan)
 
 
 HostStatus = dict[int, dict[str, list[str] | None]]  # slot -> tenant -> awake stages

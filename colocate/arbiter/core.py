@@ -1,25 +1,27 @@
-"""The arbiter's logic for the slots of one host, free of Monarch so it runs anywhere.
+"""The arbiter's decisions for the slots of one host, free of Monarch so it runs anywhere.
 
 For each slot (a GPU, or a CPU proc standing in for one) it knows the tenants and which
-stages of each are awake. `wake(tenant)` puts conflicting tenants to sleep, checks by
-measurement that their memory came back (NVML on GPU, the proc's RSS on CPU), then wakes
-the tenant stage by stage. Requests hold their slots' locks, taken in slot order, so they
-are served in arrival order per slot. A failure rolls the slot back (the sleeper woken
-again, or the half-woken tenant put back to sleep) and the error says who is awake where.
-While it waits for a tenant, it watches the tenant's process: a tenant whose proc died is
-lost at once (with the other tenants of that proc on the slot), not after a timeout.
+stages of each are awake. A request (`wake`, `sleep`, `register`, `handoff`) becomes one
+plan per slot: the policy's sleeps, each verified by measurement before the next step,
+then the wakes, in order. The plan goes to the slot's proc in one message and is carried
+out there against the tenants of that process (delivery.py, plan.py); the answer says
+what happened or where it stopped. Requests hold their slots' locks, taken in slot
+order, so they are served in arrival order per slot. A failure rolls the slot back to
+where the request found it, from the request's undo log (undo.py), and the error says
+where it stopped and who is awake where. A tenant whose proc died is lost at once (with
+the other tenants of that proc on the slot), not after a timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 from colocate import telemetry
+from colocate.arbiter.config import ArbiterConfig, ArbiterConfigError, Slot
+from colocate.arbiter.delivery import AFTER_LOSS, Courier, lose, watched
 from colocate.arbiter.errors import (
     ArbiterError,
     ArbiterTimeoutError,
@@ -27,88 +29,25 @@ from colocate.arbiter.errors import (
     SwitchError,
     TenantLostError,
 )
-from colocate.arbiter.policy import POLICIES, Policy
+from colocate.arbiter.handoff import handoff_error, handoff_steps
+from colocate.arbiter.plan import SLEEP, WAKE, Failure, PlanResult, Step
 from colocate.arbiter.tenant import TenantHandle, TenantInfo
-from colocate.checks import check_choice, check_int, check_number
+from colocate.arbiter.undo import UndoLog
+
+__all__ = ["ArbiterConfig", "ArbiterConfigError", "PlanFailed", "Slot", "SlotArbiter"]
 
 T = TypeVar("T")
-LIVENESS_POLL_S = 0.05  # how often a pending tenant call checks that the tenant's proc runs
-_AFTER_LOSS = ("To use slot {slot} again, remove its lost tenants (rm.remove) and give it new "
-               "procs (rm.release(group), then allocate again)")
-class ArbiterConfigError(ArbiterError, ValueError):
-    """An ArbiterConfig field of the wrong type or out of range, named in the message."""
 
 
-@dataclass(frozen=True)
-class ArbiterConfig:
-    """How strict and how patient the arbiter is. Validated here, once: each field's type
-    (numbers finite, byte counts ints), then its range."""
+class PlanFailed(Exception):
+    """A step of a request's plan failed (internal: the request rolls back and explains)."""
 
-    policy: str | Policy = "exclusive"  # a name in POLICIES, or a policy object
-    release_fraction: float = 0.9  # of a sleeper's resident bytes, measured back
-    release_timeout_s: float = 10.0
-    request_timeout_s: float = 300.0
-    call_timeout_s: float = 120.0
-    min_verified_bytes: int = 1 << 20  # smaller releases are below measurement noise
-    slot_capacity_bytes: int | None = None  # CPU slots: the budget policy's capacity
-    headroom_bytes: int = 0  # budget policy
-
-    def __post_init__(self) -> None:
-        policy = None if isinstance(self.policy, Policy) \
-            else check_choice("policy", self.policy, POLICIES)
-        for problem in (
-                policy and f"{policy}, or an object that answers what "
-                "colocate.arbiter.policy.Policy asks",
-                check_number("release_fraction", self.release_fraction, above=0, at_most=1),
-                *(check_number(name, getattr(self, name), above=0) for name in (
-                    "release_timeout_s", "request_timeout_s", "call_timeout_s")),
-                check_int("min_verified_bytes", self.min_verified_bytes, 0),
-                check_int("slot_capacity_bytes", self.slot_capacity_bytes, 1, optional=True),
-                check_int("headroom_bytes", self.headroom_bytes, 0)):
-            if problem:
-                raise ArbiterConfigError(f"ArbiterConfig.{problem}")
-
-    def make_policy(self) -> Policy:
-        if isinstance(self.policy, str):
-            return POLICIES[self.policy].from_config(self)
-        return self.policy
+    def __init__(self, failure: Failure, step: Step) -> None:
+        super().__init__(failure.cause)
+        self.failure, self.step = failure, step
 
 
-@dataclass
-class Slot:
-    """One slot's tenants and their awake stages."""
-
-    index: int
-    tenants: dict[str, TenantHandle] = field(default_factory=dict)
-    infos: dict[str, TenantInfo] = field(default_factory=dict)
-    awake: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    woken_order: list[str] = field(default_factory=list)  # least recently woken first
-    unknown: set[str] = field(default_factory=set)  # state lost after a failure
-    lost: dict[str, str] = field(default_factory=dict)  # tenant -> why: its proc died
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    def awake_tenants(self) -> list[str]:
-        return [name for name in self.woken_order if self.awake.get(name)]
-
-    def mark(self, name: str, stages: Iterable[str]) -> None:
-        stages = tuple(stages)
-        self.awake[name] = stages
-        if name in self.woken_order:
-            self.woken_order.remove(name)
-        self.woken_order.append(name)
-
-    def who(self) -> str:
-        parts = []
-        for name in self.tenants:
-            if name in self.lost:
-                parts.append(f"{name} lost ({self.lost[name]})")
-            elif name in self.unknown:
-                parts.append(f"{name} unknown (treated as awake)")
-            elif self.awake.get(name):
-                parts.append(f"{name} awake ({', '.join(self.awake[name])})")
-            else:
-                parts.append(f"{name} asleep")
-        return f"slot {self.index}: " + (", ".join(parts) or "no tenants")
+Explain = Callable[[PlanFailed, str], SwitchError]  # (the failure, the rollback's note)
 
 
 class SlotArbiter:
@@ -118,51 +57,7 @@ class SlotArbiter:
         self.config = config or ArbiterConfig()
         self.policy = self.config.make_policy()
         self.slots = {i: Slot(i) for i in slots}
-
-    # -- measurement ------------------------------------------------------------------
-
-    def _reading(self, slot: Slot, name: str, during: str) -> telemetry.MemoryReading:
-        """The memory of `name`'s process: its RSS (CPU), or its share of its GPU where NVML
-        gives per-process usage (device-wide otherwise), so other processes on the GPU do
-        not blur the release check. A process that died loses its tenants."""
-        info = slot.infos[name]
-        try:
-            if info.device == "cpu":
-                reading = telemetry.read_pid(info.pid)
-            else:
-                reading = telemetry.read_gpu_uuid_process(info.device, info.pid)
-        except telemetry.TelemetryError:
-            if not telemetry.process_runs(info.pid):
-                raise self._lose(slot, info.pid, during) from None
-            raise
-        if not telemetry.process_runs(info.pid):  # a dying process reads as released: it is lost
-            raise self._lose(slot, info.pid, during)
-        return reading
-
-    def _free(self, slot: Slot) -> int | None:
-        """The slot's free memory where the policy needs it, else None (nothing measured)."""
-        return self._free_bytes(slot) if self.policy.measures else None
-
-    def _free_bytes(self, slot: Slot) -> int:
-        # colocated tenants share the process; a lost tenant's process is gone
-        info = next(i for n, i in slot.infos.items() if n not in slot.lost)
-        reading = telemetry.read_pid(info.pid) if info.device == "cpu" \
-            else telemetry.read_gpu_uuid(info.device)
-        capacity = reading.total_bytes or self.config.slot_capacity_bytes
-        if capacity is None:
-            raise ArbiterError(f"slot {slot.index} has no known capacity: on CPU slots the "
-                               "budget policy needs ArbiterConfig.slot_capacity_bytes")
-        return capacity - reading.used_bytes
-
-    async def _released(self, slot: Slot, name: str, before: int, expected: int) -> int:
-        """Poll until `name`'s memory fell by the expected share; returns the drop seen."""
-        deadline = time.monotonic() + self.config.release_timeout_s
-        while True:
-            drop = before - self._reading(slot, name, f"the release check of {name}'s "
-                                          "sleep").used_bytes
-            if drop >= self.config.release_fraction * expected or time.monotonic() > deadline:
-                return drop
-            await asyncio.sleep(0.002)
+        self.courier = Courier(self.config)
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -204,72 +99,124 @@ class SlotArbiter:
 
     async def _call(self, what: str, call: Awaitable[T], slot: Slot | None = None,
                     name: str | None = None) -> T:
-        """`call`'s answer within `call_timeout_s`. For a call to tenant `name` of `slot`,
-        the tenant's proc is watched meanwhile: if it dies, its tenants are lost at once."""
-        task = asyncio.ensure_future(call)
-        pid = slot.infos[name].pid if slot is not None and name is not None else None
-        deadline = time.monotonic() + self.config.call_timeout_s
-        try:
-            while not task.done():
-                if pid is not None and not telemetry.process_runs(pid):
-                    raise self._lose(slot, pid, what)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ArbiterTimeoutError(
-                        f"{what} did not answer within {self.config.call_timeout_s} s")
-                await asyncio.wait({task}, timeout=min(left, LIVENESS_POLL_S))
-            return task.result()
-        finally:
-            if not task.done():
-                task.cancel()
+        return await watched(self.config.call_timeout_s, what, call, slot, name)
 
-    def _lose(self, slot: Slot, pid: int, during: str) -> TenantLostError:
-        """Mark every tenant of process `pid` on `slot` lost (asleep: a dead process holds
-        nothing), and return the error that says so."""
-        why = f"its proc, pid {pid}, died during {during}"
-        names = [n for n, info in slot.infos.items() if info.pid == pid]
-        for name in names:
-            slot.lost.setdefault(name, why)
-            slot.unknown.discard(name)
-            slot.mark(name, ())
-        return TenantLostError(f"{' and '.join(names)} lost on slot {slot.index}: {why}. "
-                               + _AFTER_LOSS.format(slot=slot.index), slot.index,
-                               tuple(slot.lost))
-
-    @staticmethod
-    def _failed(slot: Slot, names: Iterable[str], message: str) -> SwitchError:
-        """The error for a failed step: a TenantLostError when it lost one of `names`."""
-        if any(n in slot.lost for n in names):
-            return TenantLostError(message, slot.index, tuple(slot.lost))
-        return SwitchError(message)
-
-    async def _learn(self, slot: Slot, name: str) -> None:
-        """Ask a tenant for its real state after a failure; lost if its proc died, unknown
-        if it cannot say."""
-        if name in slot.lost:
-            return
-        pid = slot.infos[name].pid
-        if not telemetry.process_runs(pid):
-            self._lose(slot, pid, f"a call to {name}")
-            return
-        try:
-            info = await self._call(f"{name}.describe", slot.tenants[name].describe(),
-                                    slot, name)
-        except TenantLostError:
-            return
-        except Exception:
-            slot.unknown.add(name)
-            slot.mark(name, ("?",))
-            return
-        slot.unknown.discard(name)
-        slot.infos[name] = info
-        slot.mark(name, info.awake_stages)
+    def _free(self, slot: Slot) -> int | None:
+        """The slot's free memory where the policy needs it, else None (nothing measured)."""
+        if not self.policy.measures:
+            return None
+        # colocated tenants share the process; a lost tenant's process is gone
+        info = next(i for n, i in slot.infos.items() if n not in slot.lost)
+        reading = telemetry.read_pid(info.pid) if info.device == "cpu" \
+            else telemetry.read_gpu_uuid(info.device)
+        capacity = reading.total_bytes or self.config.slot_capacity_bytes
+        if capacity is None:
+            raise ArbiterError(f"slot {slot.index} has no known capacity: on CPU slots the "
+                               "budget policy needs ArbiterConfig.slot_capacity_bytes")
+        return capacity - reading.used_bytes
 
     def _check(self, slot: Slot) -> None:
         awake = slot.awake_tenants()
         if not self.policy.may_share(awake):
             raise ArbiterError(f"invariant broken, {awake} awake together against the "
                                f"policy: {slot.who()}")
+
+    def _may_stay(self, slot: Slot) -> bool:
+        """Whether the tenants awake on `slot` may stay so, as the policy sees it."""
+        return self.policy.may_share(slot.awake_tenants()) \
+            and self.policy.has_room(0, self._free(slot))
+
+    # -- plans ------------------------------------------------------------------------
+
+    def _sleep_step(self, slot: Slot, name: str,
+                    stages: Sequence[str] | None = None) -> Step | None:
+        """A verified sleep of `name`'s awake `stages` (default: all); None if none is."""
+        awake = slot.awake.get(name, ())
+        if not any(stages is None or s in stages for s in awake):
+            return None
+        todo = None if stages is None else tuple(s for s in awake if s in stages)
+        return Step(SLEEP, name, todo, verify=True, device=slot.infos[name].device)
+
+    async def _attempt(self, slot: Slot, log: UndoLog, steps: list[Step | None]
+                       ) -> PlanResult:
+        """Carry out `steps` on `slot` (one message per proc); on success record their
+        effect, else raise `PlanFailed` (the caller rolls back)."""
+        plan = [step for step in steps if step is not None]
+        log.remember(slot, (step.tenant for step in plan))
+        if not plan:
+            return PlanResult()
+        result = await self.courier.carry_out(slot, plan, log)
+        if result.failure is not None:
+            raise PlanFailed(result.failure, plan[result.failure.index])
+        for step in plan:
+            awake = slot.awake.get(step.tenant, ())
+            if step.op == SLEEP:
+                slot.mark(step.tenant, () if step.stages is None
+                          else [s for s in awake if s not in step.stages])
+                slot.unknown.discard(step.tenant)
+            elif step.op == WAKE:
+                slot.mark(step.tenant, [*awake, *(s for s in step.stages or ()
+                                                  if s not in awake)])
+        return result
+
+    async def _request(self, slot: Slot, body: Callable[[UndoLog], Awaitable[T]],
+                       explain: Explain) -> T:
+        """Run `body` under one undo log; on any failure roll `slot` back, then raise (a
+        failed step: the error `explain` makes of it)."""
+        log = UndoLog()
+        try:
+            return await body(log)
+        except PlanFailed as failed:
+            note = await self._roll_back(slot, log)
+            raise explain(failed, note) from failed.failure.error
+        except BaseException:
+            await self._roll_back(slot, log)
+            raise
+
+    async def _roll_back(self, slot: Slot, log: UndoLog) -> str:
+        """Bring `slot`'s tenants back to the log's before-state; record what each says it
+        holds. Returns "" or, when the rollback itself stopped, a note saying where."""
+        steps = log.restore_steps(slot)
+        if not steps:
+            return ""
+        result = await self.courier.carry_out(slot, steps, log)
+        for name, info in result.infos.items():
+            slot.learned(name, info)
+        said = set(result.infos)
+        for step in steps:
+            if step.tenant not in said and step.tenant not in slot.lost:
+                slot.unknown.add(step.tenant)
+                slot.mark(step.tenant, ("?",))
+        failure = result.failure
+        return "" if failure is None else f"; the rollback stopped at {failure.label}: " \
+                                          f"{failure.cause}"
+
+    def _error(self, slot: Slot, failed: PlanFailed, message: str,
+               touched: Iterable[str]) -> SwitchError:
+        """The error of a failed step: lost tenants, an unverified release, or a failure."""
+        if failed.failure.kind == "lost" or any(n in slot.lost for n in touched):
+            return TenantLostError(message, slot.index, tuple(slot.lost))
+        if failed.failure.kind == "release":
+            return ReleaseNotVerifiedError(message)
+        return SwitchError(message)
+
+    def _switch_error(self, slot: Slot, waking: str | None) -> Explain:
+        """How a failed sleep or wake of a switch is told."""
+        def explain(failed: PlanFailed, note: str) -> SwitchError:
+            failure, step = failed.failure, failed.step
+            not_woken = f"; {waking} was not woken" if waking and step.tenant != waking else ""
+            if step.op == SLEEP and failure.kind == "release":
+                undone = "it was woken again" if not note else "rolling back failed"
+                text = (f"{step.tenant} slept on slot {slot.index} but {failure.cause}; "
+                        f"{undone}: {slot.who()}{not_woken}{note}")
+            elif step.op == SLEEP:
+                text = (f"{step.tenant} failed to sleep on slot {slot.index}: {failure.cause}; "
+                        f"{slot.who()}{not_woken}{note}")
+            else:
+                text = (f"{step.tenant} failed to wake {list(step.stages or ())}: "
+                        f"{failure.cause}; rolled back: {slot.who()}{note}")
+            return self._error(slot, failed, text, [step.tenant])
+        return explain
 
     # -- the requests -------------------------------------------------------------------
 
@@ -287,10 +234,12 @@ class SlotArbiter:
             slot.mark(name, info.awake_stages)
             try:
                 if info.awake_stages and others and not self._may_stay(slot):
-                    await self._sleep_verified(slot, name)
+                    await self._request(slot, lambda log: self._attempt(
+                        slot, log, [self._sleep_step(slot, name)]),
+                        self._switch_error(slot, None))
                 self._check(slot)
             except BaseException as err:
-                self._forget(slot, name)
+                slot.forget(name)
                 raise type(err)(f"{err}; {name} was not registered") from err
             return info
 
@@ -299,19 +248,7 @@ class SlotArbiter:
         chosen = self._slots_of(name, slots)
         async with self._hold(chosen):
             for slot in chosen:
-                self._forget(slot, name)
-
-    def _forget(self, slot: Slot, name: str) -> None:
-        for table in (slot.tenants, slot.infos, slot.awake, slot.lost):
-            table.pop(name, None)
-        slot.unknown.discard(name)
-        if name in slot.woken_order:
-            slot.woken_order.remove(name)
-
-    def _may_stay(self, slot: Slot) -> bool:
-        """Whether the tenants awake on `slot` may stay so, as the policy sees it."""
-        return self.policy.may_share(slot.awake_tenants()) \
-            and self.policy.has_room(0, self._free(slot))
+                slot.forget(name)
 
     async def wake(self, name: str, slots: Iterable[int] | None = None,
                    stages: Sequence[str] | None = None) -> None:
@@ -326,8 +263,9 @@ class SlotArbiter:
         """Put `name` to sleep on its slots (all, or `slots`), verified by measurement."""
         chosen = self._slots_of(name, slots)
         async with self._hold(chosen):
-            results = await asyncio.gather(
-                *(self._sleep_verified(slot, name) for slot in chosen), return_exceptions=True)
+            results = await asyncio.gather(*(self._request(
+                slot, lambda log, s=slot: self._attempt(s, log, [self._sleep_step(s, name)]),
+                self._switch_error(slot, None)) for slot in chosen), return_exceptions=True)
         self._raise_errors(results, chosen)
 
     def _raise_errors(self, results: list, slots: list[Slot]) -> None:
@@ -346,112 +284,62 @@ class SlotArbiter:
     async def _wake_on(self, slot: Slot, name: str, stages: Sequence[str] | None) -> None:
         if name in slot.lost:
             raise TenantLostError(f"{name} cannot wake on slot {slot.index}: it is lost "
-                                  f"({slot.lost[name]}). " + _AFTER_LOSS.format(slot=slot.index),
+                                  f"({slot.lost[name]}). " + AFTER_LOSS.format(slot=slot.index),
                                   slot.index, tuple(slot.lost))
-        handle = slot.tenants[name]
         known = slot.infos[name].stages  # fixed at registration
         unknown = [s for s in stages or () if s not in known]
         if unknown:
             raise ArbiterError(f"{name} has no stage(s) {unknown}; its stages: {known}")
-        todo = [s for s in (stages or known) if s not in slot.awake.get(name, ())]
+        todo = tuple(s for s in (stages or known) if s not in slot.awake.get(name, ()))
         if not todo:
             return
-        needed = 0
-        if self.policy.measures:  # the tenant's size matters to the policy
+        wake = Step(WAKE, name, todo, device=slot.infos[name].device)
+
+        async def exclusive(log: UndoLog) -> None:  # victims known ahead: one plan
+            victims = self._victims(slot, name)
+            await self._attempt(slot, log, [*(self._sleep_step(slot, v) for v in victims),
+                                            wake])
+
+        async def measured(log: UndoLog) -> None:  # each sleep changes the free memory
+            handle = slot.tenants[name]
             info = await self._call(f"{name}.describe", handle.describe(), slot, name)
             slot.infos[name] = info
             needed = info.tagged_bytes - info.resident_bytes
-        slept: list[tuple[str, tuple[str, ...]]] = []
-        try:
             while victim := self.policy.next_victim(
                     name, slot.awake_tenants(), needed, self._free(slot)):
-                stages_before = slot.awake[victim]
-                await self._sleep_verified(slot, victim, waking=name)
-                slept.append((victim, stages_before))
-            self._require_room(slot, name, needed)
-        except BaseException:
-            await self._rewake(slot, slept)
-            raise
-        try:
-            await self._call(f"{name}.wake({todo})", handle.wake(todo), slot, name)
-        except BaseException as err:
-            await self._undo_wake(slot, name, slept)
-            raise self._failed(slot, [name], f"{name} failed to wake {todo}: {err}; rolled "
-                               f"back: {slot.who()}") from err
-        slot.mark(name, [*slot.awake.get(name, ()), *todo])
+                await self._attempt(slot, log, [self._sleep_step(slot, victim)])
+            free = self._free(slot)
+            if not self.policy.has_room(needed, free):
+                room = "the policy finds no room" if free is None \
+                    else f"it needs {needed} bytes but only {free} are free"
+                raise SwitchError(f"{name} cannot wake on slot {slot.index}: {room} after "
+                                  f"the policy's sleeps: {slot.who()}")
+            await self._attempt(slot, log, [wake])
+
+        await self._request(slot, measured if self.policy.measures else exclusive,
+                            self._switch_error(slot, name))
         self._check(slot)
 
-    def _require_room(self, slot: Slot, name: str, needed: int) -> None:
-        free = self._free(slot)
-        if not self.policy.has_room(needed, free):
-            room = "the policy finds no room" if free is None \
-                else f"it needs {needed} bytes but only {free} are free"
-            raise SwitchError(f"{name} cannot wake on slot {slot.index}: {room} after the "
-                              f"policy's sleeps: {slot.who()}")
-
-    async def _undo_wake(self, slot: Slot, name: str,
-                         slept: list[tuple[str, tuple[str, ...]]]) -> None:
-        """After a failed wake: put the tenant back to sleep, then wake whom it displaced."""
-        try:
-            await self._call(f"{name}.sleep", slot.tenants[name].sleep(None), slot, name)
-            slot.mark(name, ())
-        except Exception:
-            await self._learn(slot, name)
-            return  # not known to be asleep: waking the others could break the budget
-        await self._rewake(slot, slept)
-
-    async def _rewake(self, slot: Slot, slept: list[tuple[str, tuple[str, ...]]]) -> None:
-        for victim, stages in slept:
-            try:
-                await self._call(f"{victim}.wake", slot.tenants[victim].wake(stages), slot,
-                                 victim)
-                slot.mark(victim, stages)
-            except Exception:
-                await self._learn(slot, victim)
-
-    async def _sleep_verified(self, slot: Slot, name: str, waking: str | None = None,
-                              stages: Sequence[str] | None = None) -> None:
-        """Sleep `name`'s `stages` (default: all) on `slot` and measure that their memory
-        came back; else wake them again and raise."""
-        handle = slot.tenants[name]
-        awake_stages = slot.awake.get(name, ())
-        todo = [s for s in awake_stages if stages is None or s in stages]
-        if not todo:
-            return
-        before = self._reading(slot, name, f"{name}.sleep").used_bytes
-        not_woken = f"; {waking} was not woken" if waking else ""
-        try:
-            expected = await self._call(f"{name}.sleep", handle.sleep(
-                None if stages is None else todo), slot, name)
-        except BaseException as err:
-            await self._learn(slot, name)
-            raise self._failed(slot, [name], f"{name} failed to sleep on slot {slot.index}: "
-                               f"{err}; {slot.who()}{not_woken}") from err
-        slot.mark(name, [s for s in awake_stages if s not in todo])
-        slot.unknown.discard(name)
-        if expected < self.config.min_verified_bytes:
-            return
-        drop = await self._released(slot, name, before, expected)
-        if drop >= self.config.release_fraction * expected:
-            return
-        await self._rewake(slot, [(name, awake_stages)])
-        raise ReleaseNotVerifiedError(
-            f"{name} slept on slot {slot.index} but only {drop / 2**20:.1f} of its "
-            f"{expected / 2**20:.1f} MiB came back within {self.config.release_timeout_s} s "
-            f"(memory held outside its tags?); it was woken again: {slot.who()}{not_woken}")
+    def _victims(self, slot: Slot, name: str) -> list[str]:
+        """Who the policy puts to sleep for `name` to wake, in order, when it measures
+        nothing (its answers then depend only on who is awake)."""
+        awake, victims = slot.awake_tenants(), []
+        while (victim := self.policy.next_victim(name, awake, 0, None)) is not None:
+            if victim not in awake or victim == name:
+                raise ArbiterError(f"the policy chose {victim!r} to sleep so that {name} can "
+                                   f"wake, but it is not another awake tenant: {slot.who()}")
+            victims.append(victim)
+            awake.remove(victim)
+        return victims
 
     # -- handoff: the one moment two tenants are partly awake ----------------------------
 
     async def handoff(self, source: str, target: str, slots: Iterable[int] | None = None,
                       keep: Sequence[str] = ("weights",), first: Sequence[str] = ("weights",)
                       ) -> int:
-        """Pass weights from `source` to `target` on their shared slots, staged: `source`
-        sleeps all but `keep`, `target` wakes `first`, `target.receive(source)` copies, then
-        `source` sleeps and `target` wakes its other stages. Peak memory: `source`'s kept
-        stages + `target`'s first stages, never both tenants whole. Returns bytes copied.
-
-        On failure the slot goes back to `source` awake (as it was) and `target` asleep.
-        """
+        """Pass weights from `source` to `target` on their shared slots, staged (see
+        `handoff.handoff_steps`); returns the bytes copied. On failure the slot goes back
+        to `source` awake (as it was) and `target` asleep."""
         chosen = self._slots_of(target, slots)
         self._slots_of(source, [s.index for s in chosen])
         async with self._hold(chosen):
@@ -463,55 +351,17 @@ class SlotArbiter:
 
     async def _handoff_on(self, slot: Slot, source: str, target: str, keep: Sequence[str],
                           first: Sequence[str]) -> int:
-        source_stages = slot.awake.get(source, ())
-        if not set(keep) <= set(source_stages) or slot.unknown or target in slot.lost:
-            raise ArbiterError(f"handoff {source} -> {target} needs {source} awake with "
-                               f"{list(keep)} on slot {slot.index}: {slot.who()}")
-        for other in slot.awake_tenants():
-            if other not in (source, target):
-                await self._sleep_verified(slot, other, waking=target)
-        await self._sleep_verified(slot, target)
-        await self._sleep_verified(slot, source, waking=target,
-                                   stages=[s for s in source_stages if s not in keep])
-        handle = slot.tenants[target]
-        step, copying = f"{target}.wake({list(first)})", False
-        try:
-            await self._call(step, handle.wake(first), slot, target)
-            slot.mark(target, first)
-            step, copying = f"{target}.receive({source})", True
-            copied = await self._call(step, handle.receive(source), slot, target)
-            step, copying = f"{source}.sleep", False
-            await self._sleep_verified(slot, source, waking=target)
-        except BaseException as err:
-            await self._undo_handoff(slot, source, target, source_stages)
-            torn = (f"; {target}'s {list(first)} may hold part of {source}'s now: hand off "
-                    f"again before {target} serves") if copying else ""
-            raise self._failed(slot, [source, target], f"handoff {source} -> {target} failed "
-                               f"on slot {slot.index} at {step}: {err}; rolled back: "
-                               f"{slot.who()}{torn}") from err
-        rest = [s for s in slot.infos[target].stages if s not in first]
-        try:
-            await self._call(f"{target}.wake({rest})", handle.wake(rest), slot, target)
-        except BaseException as err:
-            await self._undo_wake(slot, target, [])
-            raise self._failed(slot, [target], f"{target} took {source}'s weights but failed "
-                               f"to wake {rest} on slot {slot.index}: {err}; {slot.who()}"
-                               ) from err
-        slot.mark(target, [*first, *rest])
-        self._check(slot)
-        return copied
+        steps = handoff_steps(slot, source, target, keep, first)
 
-    async def _undo_handoff(self, slot: Slot, source: str, target: str,
-                            source_stages: tuple[str, ...]) -> None:
-        """Target asleep, then source awake as before the handoff."""
-        try:
-            await self._call(f"{target}.sleep", slot.tenants[target].sleep(None), slot,
-                            target)
-            slot.mark(target, ())
-        except Exception:
-            await self._learn(slot, target)
-            return
-        await self._rewake(slot, [(source, source_stages)])
+        def explain(failed: PlanFailed, note: str) -> SwitchError:
+            text = handoff_error(slot, source, target, first, failed.failure, failed.step,
+                                 note)
+            return self._error(slot, failed, text, [source, target])
+
+        result = await self._request(
+            slot, lambda log: self._attempt(slot, log, list(steps)), explain)
+        self._check(slot)
+        return result.copied
 
     # -- queries -----------------------------------------------------------------------
 
@@ -534,7 +384,7 @@ class SlotArbiter:
             for name in asked.difference(slot.lost):
                 pid = slot.infos[name].pid
                 if not telemetry.process_runs(pid):
-                    self._lose(slot, pid, "a liveness check")
+                    lose(slot, pid, "a liveness check")
             found.update({name: f"{name} lost on slot {slot.index}: {why}"
                           for name, why in slot.lost.items()})
         return found

@@ -2,7 +2,8 @@
 
 Calls run on a worker thread, so a long pause or resume does not block the event loop.
 Used where the arbiter and its tenants share one plain process: tests, single-GPU tools,
-machines without Monarch.
+machines without Monarch. The handle has no `run_plan`: the arbiter carries out a
+switch's plan through these calls itself, step by step (colocate.arbiter.delivery).
 """
 
 from __future__ import annotations

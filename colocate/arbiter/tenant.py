@@ -50,7 +50,13 @@ class Tenancy(Protocol):
 
 
 class TenantHandle(Protocol):
-    """How the arbiter reaches one tenant on one slot (an actor slice, a pipe, an object)."""
+    """How the arbiter reaches one tenant on one slot (an actor slice, a pipe, an object).
+
+    A handle of a tenant in another process also has `async run_plan(plan) -> PlanResult`
+    (`ActorTenantHandle`): the arbiter then sends each switch to that process as one plan
+    (colocate.arbiter.plan). Without it (a tenant of the arbiter's own process), the
+    arbiter carries out the plan's steps itself through the calls below.
+    """
 
     name: str
 

@@ -29,7 +29,7 @@ import monarch.actor
 from monarch.actor import Actor
 
 from colocate.arbiter.actor import HostStatus, TenantActor
-from colocate.arbiter.core import ArbiterConfig
+from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.tenant import TenantInfo
 from colocate.checks import check_int
 from colocate.monarch_compat import mesh_name

@@ -9,7 +9,8 @@ process's files (a live rank's, another runtime's) are never touched.
 
 What records: vLLM's CPU communicator (`colocate.engines.vllm_worker`), whose
 per-rank files are removed only by its C++ destructor at a normal exit, so a killed
-rank leaves them (8 MiB each on 2 CPU slots).
+rank leaves them (8 MiB each on 2 CPU slots). A proc's switch-plan progress file
+(`colocate.arbiter.plan.progress_path`, known by its pid) goes with them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from colocate.arbiter.plan import forget_progress
 from colocate.telemetry import process_runs
 
 _started = False  # whether this process wrote its record yet (the first write truncates)
@@ -62,4 +64,5 @@ def remove_files_of(pids: Iterable[int]) -> list[Path]:
             except FileNotFoundError:  # its owner removed it at exit
                 pass
         (_records() / str(pid)).unlink(missing_ok=True)
+        forget_progress(pid)
     return removed

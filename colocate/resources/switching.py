@@ -19,7 +19,7 @@ from typing import Any
 
 from colocate.abortable import Abortable
 from colocate.arbiter.actor import Arbiter, HostStatus, remote_errors
-from colocate.arbiter.core import ArbiterConfig
+from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.errors import ArbiterError, SwitchAbortedError, TenantLostError
 from colocate.resources.groups import Allocation
 from colocate.resources.procs import SlotProcs, rank_of, select, stop_procs

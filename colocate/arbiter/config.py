@@ -1,0 +1,107 @@
+"""What the arbiter is told and what it knows: `ArbiterConfig` (how strict and how patient,
+validated once) and `Slot` (one slot's tenants, who is awake, who is lost, and its lock)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from colocate.arbiter.errors import ArbiterError
+from colocate.arbiter.policy import POLICIES, Policy
+from colocate.arbiter.tenant import TenantHandle, TenantInfo
+from colocate.checks import check_choice, check_int, check_number
+
+
+class ArbiterConfigError(ArbiterError, ValueError):
+    """An ArbiterConfig field of the wrong type or out of range, named in the message."""
+
+
+@dataclass(frozen=True)
+class ArbiterConfig:
+    """How strict and how patient the arbiter is. Validated here, once: each field's type
+    (numbers finite, byte counts ints), then its range."""
+
+    policy: str | Policy = "exclusive"  # a name in POLICIES, or a policy object
+    release_fraction: float = 0.9  # of a sleeper's resident bytes, measured back
+    release_timeout_s: float = 10.0
+    request_timeout_s: float = 300.0
+    call_timeout_s: float = 120.0  # one message to a proc: a plan, or a describe
+    min_verified_bytes: int = 1 << 20  # smaller releases are below measurement noise
+    slot_capacity_bytes: int | None = None  # CPU slots: the budget policy's capacity
+    headroom_bytes: int = 0  # budget policy
+
+    def __post_init__(self) -> None:
+        policy = None if isinstance(self.policy, Policy) \
+            else check_choice("policy", self.policy, POLICIES)
+        for problem in (
+                policy and f"{policy}, or an object that answers what "
+                "colocate.arbiter.policy.Policy asks",
+                check_number("release_fraction", self.release_fraction, above=0, at_most=1),
+                *(check_number(name, getattr(self, name), above=0) for name in (
+                    "release_timeout_s", "request_timeout_s", "call_timeout_s")),
+                check_int("min_verified_bytes", self.min_verified_bytes, 0),
+                check_int("slot_capacity_bytes", self.slot_capacity_bytes, 1, optional=True),
+                check_int("headroom_bytes", self.headroom_bytes, 0)):
+            if problem:
+                raise ArbiterConfigError(f"ArbiterConfig.{problem}")
+
+    def make_policy(self) -> Policy:
+        """The policy object: built from its class in `POLICIES`, or the one given."""
+        if isinstance(self.policy, str):
+            return POLICIES[self.policy].from_config(self)
+        return self.policy
+
+
+@dataclass
+class Slot:
+    """One slot's tenants and their awake stages, as the arbiter last knew them."""
+
+    index: int
+    tenants: dict[str, TenantHandle] = field(default_factory=dict)
+    infos: dict[str, TenantInfo] = field(default_factory=dict)
+    awake: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    woken_order: list[str] = field(default_factory=list)  # least recently woken first
+    unknown: set[str] = field(default_factory=set)  # state lost after a failure
+    lost: dict[str, str] = field(default_factory=dict)  # tenant -> why: its proc died
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def awake_tenants(self) -> list[str]:
+        """The tenants with an awake stage, least recently woken first."""
+        return [name for name in self.woken_order if self.awake.get(name)]
+
+    def mark(self, name: str, stages: Iterable[str]) -> None:
+        """Record `name`'s awake stages (and that it was woken last)."""
+        stages = tuple(stages)
+        self.awake[name] = stages
+        if name in self.woken_order:
+            self.woken_order.remove(name)
+        self.woken_order.append(name)
+
+    def learned(self, name: str, info: TenantInfo) -> None:
+        """Record what tenant `name` said of itself: its state is known again."""
+        self.infos[name] = info
+        self.unknown.discard(name)
+        self.mark(name, info.awake_stages)
+
+    def who(self) -> str:
+        """Who is awake, asleep, unknown or lost on this slot, in words."""
+        parts = []
+        for name in self.tenants:
+            if name in self.lost:
+                parts.append(f"{name} lost ({self.lost[name]})")
+            elif name in self.unknown:
+                parts.append(f"{name} unknown (treated as awake)")
+            elif self.awake.get(name):
+                parts.append(f"{name} awake ({', '.join(self.awake[name])})")
+            else:
+                parts.append(f"{name} asleep")
+        return f"slot {self.index}: " + (", ".join(parts) or "no tenants")
+
+    def forget(self, name: str) -> None:
+        """Drop every trace of tenant `name`."""
+        for table in (self.tenants, self.infos, self.awake, self.lost):
+            table.pop(name, None)
+        self.unknown.discard(name)
+        if name in self.woken_order:
+            self.woken_order.remove(name)
