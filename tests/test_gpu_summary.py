@@ -1,0 +1,39 @@
+"""`tests/gpu/summary.py`, the one summary a GPU session writes: every test by name with its
+outcome (from a real pytest run's JUnit XML) and each benchmark's table; a run whose
+pytest wrote nothing says so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SUMMARY = Path(__file__).parent / "gpu" / "summary.py"
+
+
+def test_the_summary_names_each_test_by_outcome_and_keeps_each_benchmark_table(tmp_path):
+    (tmp_path / "test_some.py").write_text(
+        "import pytest\n"
+        "def test_ok(): pass\n"
+        "def test_broken(): assert False\n"
+        "@pytest.mark.skip(reason='no GPU')\n"
+        "def test_needs_gpu(): pass\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    str(tmp_path / "test_some.py"), f"--junitxml={out / 'gpu-tests.xml'}"],
+                   cwd=tmp_path, capture_output=True)
+    (out / "bench-memory.log").write_text("warming up\n| pause GB/s | 12.5 |\n")
+    text = subprocess.run([sys.executable, str(SUMMARY), str(out)], capture_output=True,
+                          text=True, check=True).stdout
+    assert "tests: 1 passed, 1 failed, 1 skipped" in text
+    sections = {part.split("\n")[0]: part for part in text.split("## ")[1:]}
+    assert "test_ok" in sections["passed"] and "test_broken" in sections["failed"]
+    assert "test_needs_gpu" in sections["skipped"]
+    assert "| pause GB/s | 12.5 |" in sections["bench-memory"]
+
+
+def test_a_run_without_test_results_says_so(tmp_path):
+    text = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path)], capture_output=True,
+                          text=True, check=True).stdout
+    assert "no gpu-tests.xml (pytest did not get to write it)" in text
