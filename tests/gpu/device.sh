@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # Run the GPU tests and the CUDA memory benchmark on a lent GPU machine (Python 3.12, its own
 # torch; Monarch and vLLM are not there). Two steps:
-#   here:   bash tests/gpu/device.sh fetch     # wheels for Python 3.12 into .whl/ (git-ignored)
+#   here:   bash tests/gpu/device.sh fetch     # wheels + Monarch for Python 3.12 into .whl/
+#                                              # (git-ignored; carry: [".whl"])
 #   device: bash tests/gpu/device.sh run       # with .whl carried; writes $OUT/summary.md
 #           (every test by outcome, each benchmark's table), gpu-tests.log/.xml, bench-*.log
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # The device image has torch (2.11), pytest, pytest-timeout, psutil, nvidia-ml-py, tqdm,
 # matplotlib. tests/gpu and bench/memory.py also import torch_memory_saver and (the engines'
-# test) transformers; no Monarch, vLLM or pytest-asyncio. `fetch` downloads those two with
-# their dependencies; `run` installs only the wheels whose distribution the image lacks.
+# test) transformers, and the runtime's tests Monarch; no vLLM or pytest-asyncio. `fetch`
+# downloads the first two with their dependencies, and packs Monarch stripped and compressed
+# (tests/gpu/bundle.py) with the few small packages `import monarch.actor` loads; `run`
+# installs only the wheels whose distribution the image lacks, and unpacks Monarch.
 WHEELS=(torch-memory-saver==0.0.10 transformers==5.19.0)
+MONARCH=torchmonarch==0.7.0
+MONARCH_NEEDS=(cloudpickle pyre-extensions typing-inspect mypy-extensions tabulate wcwidth
+               typing-extensions)
+LIMIT_MIB=64  # the device tool's carry limit, for the whole working tree
+# downloaded as dependencies but not carried: the image has them (torch's and matplotlib's
+# own dependencies), or they serve only Hub downloads (hf_xet; no network there)
+ON_DEVICE=(numpy tqdm filelock fsspec typing_extensions packaging hf_xet)
 case "${1:-}" in
   fetch)
     exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
@@ -18,7 +28,20 @@ case "${1:-}" in
     grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
     python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 --platform any -d .whl "${WHEELS[@]}" ;;
+      --platform manylinux2014_x86_64 --platform any -d .whl "${WHEELS[@]}" \
+      "${MONARCH_NEEDS[@]}"
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux2014_x86_64 -d "$tmp" "$MONARCH"
+    for name in "${ON_DEVICE[@]}"; do rm -f .whl/"$name"-*.whl; done
+    python3 tests/gpu/bundle.py build "$tmp"/torchmonarch-*.whl .whl/monarch-cp312.tar.xz
+    rm -rf "$tmp"
+    whl=$(du -sb .whl | cut -f1)
+    tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 cat | wc -c)
+    awk -v w="$whl" -v t="$tree" -v l="$LIMIT_MIB" 'BEGIN { printf "carried: .whl %.1f MiB + the working tree %.1f MiB = %.1f MiB (limit %d MiB)\n", w / 2^20, t / 2^20, (w + t) / 2^20, l }'
+    if (( whl + tree > LIMIT_MIB << 20 )); then
+      echo "over the carry limit: remove what .whl need not hold" >&2; exit 1
+    fi ;;
   run)
     mapfile -t missing < <(python3 - <<'PY'
 import importlib.metadata as metadata
@@ -32,6 +55,7 @@ for wheel in sorted(pathlib.Path(".whl").glob("*.whl")):
 PY
 )
     python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/site "${missing[@]}"
+    python3 tests/gpu/bundle.py unpack .whl/monarch-cp312.tar.xz /tmp/site
     export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
     out="${OUT:-runs/gpu}"; mkdir -p "$out"
     nvidia-smi -L
