@@ -176,6 +176,13 @@ class TenantActor(Actor, metaclass=_KeepsInitError):
         raise err
 
     @endpoint
+    def known_as(self, name: str) -> None:
+        """Take `name`, the name this tenant has at its arbiter (given at registration),
+        as the one its process's plans address it by: Monarch's own name for the actor may
+        be spelled otherwise (a service "Gen.v2" runs as actor "genv2")."""
+        _HERE[name] = self
+
+    @endpoint
     def sleep(self, stages: list[str] | None = None) -> int:
         return self.tenancy.sleep(stages)
 
@@ -279,6 +286,10 @@ class ActorTenantHandle:
     async def describe(self) -> TenantInfo:
         return await self._call("describe")
 
+    async def known_as(self) -> None:
+        """Tell the tenant the name it has here (`TenantActor.known_as`)."""
+        await self._call("known_as", self.name)
+
     async def receive(self, source: str) -> int:
         return await self._call("receive", source)
 
@@ -304,7 +315,9 @@ class Arbiter(Actor):
 
     @concurrent_endpoint
     async def register(self, slot: int, name: str, actor: Any) -> TenantInfo:
-        return await self.core.register(slot, ActorTenantHandle(name, actor))
+        handle = ActorTenantHandle(name, actor)
+        await handle.known_as()
+        return await self.core.register(slot, handle)
 
     @concurrent_endpoint
     async def unregister(self, name: str, slots: list[int] | None = None) -> None:
