@@ -52,9 +52,10 @@ from tqdm import tqdm  # noqa: E402
 from bench.common import announce  # noqa: E402
 from bench.engines import GiB, make_engine, median_s  # noqa: E402
 from colocate.engines.models import load_model, load_tokenizer  # noqa: E402
+from colocate.engines.parallel import PARALLEL  # noqa: E402
 from colocate.engines.sampling import SamplingParams  # noqa: E402
 from colocate.engines.tiny import write_tiny_model  # noqa: E402
-from colocate.engines.trainer import PARALLEL, PolicyTrainer  # noqa: E402
+from colocate.engines.trainer import PolicyTrainer  # noqa: E402
 
 WORLD = 2
 ROWS, SEQ = 8, 64  # the global batch: ROWS sequences of SEQ tokens, ROWS // WORLD per proc

@@ -17,6 +17,16 @@ from colocate.engines.models import decoder_layers
 PARALLEL = ("ddp", "fsdp")
 
 
+def check_layout(parallel: str, mixed_precision: bool, hint: str = "") -> None:
+    """Refuse a `parallel` not in PARALLEL, or `mixed_precision` without FSDP (`hint`: what
+    else the caller may do, appended to that message)."""
+    if parallel not in PARALLEL:
+        raise ValueError(f"parallel={parallel!r}: use one of {PARALLEL}")
+    if mixed_precision and parallel != "fsdp":
+        raise ValueError("mixed_precision=True is FSDP's MixedPrecisionPolicy: use "
+                         f"parallel='fsdp'{hint}")
+
+
 def distributed_env() -> bool:
     """Whether this proc belongs to a replica of several procs (WORLD_SIZE > 1)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1

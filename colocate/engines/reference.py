@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from colocate.arbiter.tenant import TaggedTenant
-from colocate.engines.parallel import PARALLEL, distributed_env, join_group, shard
+from colocate.engines.parallel import check_layout, distributed_env, join_group, shard
 from colocate.engines.weights import digest
 
 STAGES = {"weights": True}  # stage -> kept across a sleep
@@ -36,11 +36,7 @@ class ReferencePolicy:
     def __init__(self, model: torch.nn.Module, prefix: str = "reference",
                  device: str | torch.device | None = None, parallel: str = "ddp",
                  mixed_precision: bool = False) -> None:
-        if parallel not in PARALLEL:
-            raise ValueError(f"parallel={parallel!r}: use one of {PARALLEL}")
-        if mixed_precision and parallel != "fsdp":
-            raise ValueError("mixed_precision=True is FSDP's MixedPrecisionPolicy: use "
-                             "parallel='fsdp'")
+        check_layout(parallel, mixed_precision)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tenancy = TaggedTenant({s: f"{prefix}/{s}" for s in STAGES}, backup=STAGES)
         self.model = model.to(device).eval().requires_grad_(False)

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from colocate.arbiter.tenant import TaggedTenant
 from colocate.engines.checkpoint import Checkpointer
 from colocate.engines.fsdp_gather import gather_full
-from colocate.engines.parallel import PARALLEL, distributed_env, join_group, shard
+from colocate.engines.parallel import check_layout, distributed_env, join_group, shard
 from colocate.engines.weights import WeightStream, publish
 
 STAGES = {"weights": True, "optimizer": True, "grads": False}  # stage -> kept across a sleep
@@ -54,11 +54,7 @@ class PolicyTrainer:
                  bucket_mb: int = BUCKET_MB) -> None:
         if lr <= 0:
             raise ValueError(f"lr={lr}: must be > 0")
-        if parallel not in PARALLEL:
-            raise ValueError(f"parallel={parallel!r}: use one of {PARALLEL}")
-        if mixed_precision and parallel != "fsdp":
-            raise ValueError("mixed_precision=True is FSDP's MixedPrecisionPolicy: use "
-                             "parallel='fsdp' (or autocast inside your loss_fn)")
+        check_layout(parallel, mixed_precision, " (or autocast inside your loss_fn)")
         if bucket_mb < 1:
             raise ValueError(f"bucket_mb={bucket_mb}: must be >= 1")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
