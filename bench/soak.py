@@ -26,7 +26,8 @@ configured) for `--steps` steps or `--minutes` minutes, whichever comes first, a
 - Switch time: the loop's per-step `switch_s` and `sync_s`, the last `--window` steps
   against the first `--window`: medians, and the 10th percentiles, which the check judges
   (at most `--max-switch-ratio`): other jobs' load moves the median, while a switch that
-  costs more each step moves every percentile.
+  costs more each step moves every percentile. `train_s` (the same computation each step,
+  no switch inside) is shown beside them as the control for a load that changed.
 
 Prints a table, writes `soak.json` (the figures, the RSS after each sleep per proc, tag
 and step, the message counts and the echo's readings) and `rss.png` (that RSS over the
@@ -365,7 +366,9 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, 
                                      args.thread_slack)
     caught = {p["pid"]: p["warnings"] for p in result["probes"] if p["warnings"]}
     switch = {}
-    for key in ("switch_s", "sync_s", "step_s"):
+    # train_s is the control: the same computation every step, with no switch or Monarch
+    # message inside it, so its ratio is what other jobs' load alone did to the step
+    for key in ("switch_s", "sync_s", "step_s", "train_s"):
         first, last = ([r[key] for r in part] for part in (rows[:window], rows[-window:]))
         switch[key] = {"first_ms": 1e3 * median(first), "last_ms": 1e3 * median(last),
                        "ratio": median(last) / median(first), "first_p10_ms": 1e3 * p10(first),

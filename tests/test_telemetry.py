@@ -443,3 +443,26 @@ def test_a_one_off_step_late_in_a_long_run_does_not_warn():
     steady = drifting(20_000, 12 * 1024)
     stepped = steady[:15_000] + [r + 40 * MIB for r in steady[15_000:]]
     assert observe_all(tracker, "gen", stepped) == []
+
+
+def test_the_largest_recent_rise_is_kept_without_a_pass_over_the_span():
+    # the recent reference leaves out the largest rise among the last span + 1 residuals;
+    # the tracker keeps it as a sliding-window maximum: it must equal that maximum after
+    # every pause, and what it keeps for it stays within the span however long the run
+    import random
+    from itertools import pairwise
+
+    rng = random.Random(0)
+    span = 16
+    tracker = LeakTracker(span=span, warmup=2)
+    residual = 600 * MIB
+    for cycle in range(2_000):
+        residual += rng.choice([0, 1, -1, 3, -2]) * 64 * 1024
+        if cycle % 97 == 0:
+            residual += rng.randrange(1, 40) * MIB  # a one-off step now and then
+        observe_all(tracker, "gen", [residual])
+        state = tracker._tags["gen"]
+        assert len(state.rises) <= span
+        history = tracker.history("gen")
+        if len(history) > 1:
+            assert state.rises[0][1] == max(b - a for a, b in pairwise(history))
