@@ -124,11 +124,10 @@ class GroupRestarts:
         detected, wall = time.monotonic(), time.time()
         logger.warning("resource group %r restarts: %s", self.group, cause)
         for service in services:
-            service._hold(f"its resource group {self.group!r} restarts after: {cause}")
+            service.hold(f"its resource group {self.group!r} restarts after: {cause}")
         self.task = asyncio.ensure_future(self._restart(services, cause, detected, wall))
-        for service in services:  # a shutdown (Service._close) cancels or awaits it
-            service._tasks.add(self.task)
-            self.task.add_done_callback(service._tasks.discard)
+        for service in services:  # a shutdown cancels or awaits it
+            service.keep(self.task)
         self.task.add_done_callback(self._next)
 
     def _next(self, _: asyncio.Task) -> None:
@@ -151,7 +150,7 @@ class GroupRestarts:
                 for replica in self._recovering(service):
                     allocation = self.rm.reallocate(replica.allocation)
                     generation = replica.generation + 1
-                    actors = await service._start(
+                    actors = await service.start_actors(
                         tenant_name(service.name, replica.index, generation), allocation)
                     replica.actors, replica.allocation, replica.generation = \
                         actors, allocation, generation
@@ -175,10 +174,10 @@ class GroupRestarts:
         logger.warning("resource group %r is back after %.2f s (restart %d)", self.group,
                        event.seconds, count)
         for service in services:
-            service._release()
+            service.end_hold()
         for service, replica in started:  # a new proc that died before it was HEALTHY
             if self.rm.faults.has_failed(replica.tenant):  # fails now: the next restart
-                service._fail(replica, f"its proc died during the group's restart: "
+                service.fail_replica(replica, f"its proc died during the group's restart: "
                                        f"{self.rm.faults.why(replica.tenant)}")
 
     @staticmethod
@@ -213,7 +212,7 @@ class GroupRestarts:
                     replica.move(ReplicaState.FAILED, message)
                 if not cancelled and replica.state is ReplicaState.FAILED:
                     replica.actors = None  # stopped above, or on the procs killed before
-            service._release()
+            service.end_hold()
         if not cancelled:
             self.services = []  # the group is gone: services spawned in it anew start over
 

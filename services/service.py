@@ -34,7 +34,7 @@ import asyncio
 import contextvars
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Generic, TypeVar
 
@@ -218,7 +218,7 @@ class Service(Generic[A]):
                 fault: Exception = err
             except Exception as err:  # the replica's proc is gone, or unreachable
                 fault = err
-            self._fail(replica, fault)
+            self.fail_replica(replica, fault)
             failed.add(replica.index)
             faults += 1
             if faults > self.config.max_retries:
@@ -242,10 +242,10 @@ class Service(Generic[A]):
         (and respawning it); False when the call merely raised, which is the caller's."""
         if isinstance(err, ActorError) and not _is_fault(err):
             return False
-        self._fail(replica, err)
+        self.fail_replica(replica, err)
         return True
 
-    def _fail(self, replica: Replica, err: BaseException | str,
+    def fail_replica(self, replica: Replica, err: BaseException | str,
               tenant: str | None = None) -> None:
         """Mark a healthy (or leaving) replica failed (when `tenant` is given, only while it
         is still that generation); respawn a healthy one when the config says so: the
@@ -264,15 +264,15 @@ class Service(Generic[A]):
                                      f"({replica.tenant}): {replica.failure}")
                 return
             replica.move(ReplicaState.RECOVERING)
-            self._in_background(self._respawn(replica))
+            self.keep(asyncio.ensure_future(self._respawn(replica)))
 
     def _holding(self) -> bool:
         """Routed calls wait: the group restarts (calls from its restart hooks go on)."""
         return self.held is not None and not GroupRestarts.in_hooks(self.request.resource_group)
 
-    def _hold(self, why: str) -> None:
+    def hold(self, why: str) -> None:
         """Its group restarts: every replica counts as failed and recovering (calls in
-        flight end with ReplicaLostError), and routed calls wait until `_release`."""
+        flight end with ReplicaLostError), and routed calls wait until `end_hold`."""
         self.held = why
         for replica in self.replicas:
             if replica.state is ReplicaState.HEALTHY:
@@ -281,13 +281,14 @@ class Service(Generic[A]):
                 replica.move(ReplicaState.RECOVERING)
         self._changes.notify()
 
-    def _release(self) -> None:
+    def end_hold(self) -> None:
         """Its group's restart ended: routed calls go on (or fail, if it failed)."""
         self.held = None
         self._changes.notify()
 
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(work)
+    def keep(self, task: asyncio.Task) -> None:
+        """Track `task` (a respawn, or its group's restart) until it ends: a shutdown
+        cancels or awaits it."""
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -295,7 +296,7 @@ class Service(Generic[A]):
         """Monarch supervision saw `tenant` fail (called on Monarch's thread)."""
         for replica in self.replicas:
             if replica.tenant == tenant:
-                self._loop.call_soon_threadsafe(self._fail, replica, why, tenant,
+                self._loop.call_soon_threadsafe(self.fail_replica, replica, why, tenant,
                                                 context=self._context)
 
     async def _respawn(self, replica: Replica) -> None:
@@ -305,7 +306,7 @@ class Service(Generic[A]):
             await self.rm.remove(replica.tenant, replica.actors)
             allocation = await self.rm.replace_procs(replica.allocation)
             generation = replica.generation + 1
-            actors = await self._start(tenant_name(self.name, replica.index, generation),
+            actors = await self.start_actors(tenant_name(self.name, replica.index, generation),
                                        allocation)
             replica.actors, replica.allocation, replica.generation = \
                 actors, allocation, generation
@@ -341,7 +342,7 @@ class Service(Generic[A]):
         replica = Replica(self.name, len(self.replicas), allocation, self._changes)
         self.replicas.append(replica)
         try:
-            replica.actors = await self._start(replica.tenant, allocation)
+            replica.actors = await self.start_actors(replica.tenant, allocation)
         except BaseException as err:
             self.rm.free(allocation)
             replica.move(ReplicaState.STOPPED, f"could not start: {type(err).__name__}: {err}")
@@ -349,7 +350,7 @@ class Service(Generic[A]):
         replica.move(ReplicaState.HEALTHY)
         return replica
 
-    async def _start(self, tenant: str, allocation: Allocation) -> Any:
+    async def start_actors(self, tenant: str, allocation: Allocation) -> Any:
         """Spawn the replica's actors; a multi-proc replica first gets its torch.distributed
         environment (RANK, WORLD_SIZE, MASTER_ADDR...), read by the actors' __init__."""
         if len(allocation.slots) > 1:
@@ -418,7 +419,7 @@ class Service(Generic[A]):
                 replica.move(ReplicaState.DRAINING)
             if replica.state in (ReplicaState.DRAINING, ReplicaState.FAILED):
                 replica.move(ReplicaState.STOPPED, replica.failure)
-        self.rm.unwatch(self._watcher)
+        self.stop_watching()
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Take no new calls, let the ones in flight finish (those still running after
@@ -430,6 +431,11 @@ class Service(Generic[A]):
         for replica in self.replicas:
             if replica.state is not ReplicaState.STOPPED:
                 await self.remove_replica(replica, grace_s)
+        self.stop_watching()
+
+    def stop_watching(self) -> None:
+        """Take no more news of switches and faults from the resource manager (the service
+        is closed, or never joined its group)."""
         self.rm.unwatch(self._watcher)
 
 

@@ -45,7 +45,7 @@ async def spawn_service(config: ServiceConfig, actor_class: type[A], *args: Any,
     try:
         restarts.join(service)  # refused when the group's services restart otherwise
     except BaseException:
-        rm.unwatch(service._watcher)
+        service.stop_watching()
         raise
     service.restarts = restarts
     for _ in range(config.num_replicas):

@@ -89,16 +89,16 @@ class _FakeNvml:
 
 @pytest.fixture
 def fake_nvml(monkeypatch):
-    from colocate.resources import gpus
+    from colocate.telemetry.nvml import nvml
 
     def install(code: int | None) -> _FakeNvml:
         fake = _FakeNvml(code)
         monkeypatch.setitem(sys.modules, "pynvml", fake)
-        gpus._nvml.cache_clear()
+        nvml.cache_clear()
         return fake
 
     yield install
-    gpus._nvml.cache_clear()
+    nvml.cache_clear()
 
 
 def test_nvml_is_probed_once_and_its_absence_means_no_gpus(fake_nvml):

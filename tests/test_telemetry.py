@@ -80,11 +80,16 @@ def test_read_gpu_without_cuda_raises_a_clear_error():
 
 
 def test_read_gpu_without_nvml_bindings_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(readings, "_nvml", None)
+    from colocate.telemetry.nvml import nvml
+
     monkeypatch.setattr(readings, "_handles", {})
     monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` fail
-    with pytest.raises(TelemetryError, match="nvidia-ml-py"):
-        readings.read_gpu_uuid("GPU-00000000-0000-0000-0000-000000000000")
+    nvml.cache_clear()
+    try:
+        with pytest.raises(TelemetryError, match="nvidia-ml-py"):
+            readings.read_gpu_uuid("GPU-00000000-0000-0000-0000-000000000000")
+    finally:
+        nvml.cache_clear()
 
 
 def test_process_share_is_this_pids_nvml_entries_or_nothing():
@@ -104,7 +109,7 @@ def test_gpu_readings_say_they_are_device_wide(monkeypatch):
 
     uuid = "00000000-0000-0000-0000-000000000000"
     nvml = SimpleNamespace(nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=5, total=9))
-    monkeypatch.setattr(readings, "_nvml", nvml)  # NVML's answer, injected
+    monkeypatch.setattr(readings, "_nvml", lambda: nvml)  # NVML's answer, injected
     monkeypatch.setattr(readings, "_handles", {uuid: "handle"})
     reading = readings.read_gpu_uuid(uuid)
     assert (reading.used_bytes, reading.total_bytes, reading.scope) == (5, 9, "device")

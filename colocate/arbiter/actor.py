@@ -45,7 +45,7 @@ from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.pid_watch import PidWatch
 from colocate.arbiter.plan import Plan, PlanResult, run_here
 from colocate.arbiter.tenant import TaggedTenant, Tenancy, TenantInfo
-from colocate.monarch_compat import EndpointProperty
+from colocate.monarch_compat import EndpointProperty, endpoint_function, set_endpoint_function
 
 
 class _KeepsInitError(type(Actor)):
@@ -92,11 +92,11 @@ def _busy_lock(actor: Any) -> threading.RLock:
 def _serialize_endpoints(cls: type) -> None:
     """Make each sync endpoint defined by `cls` run holding its actor's busy lock."""
     for value in vars(cls).values():
-        method = getattr(value, "_method", None)
-        if isinstance(value, EndpointProperty) and method is not None \
-                and not getattr(method, "_holds_busy", False) \
-                and not inspect.iscoroutinefunction(method):
-            value._method = _holding_busy(method)
+        if not isinstance(value, EndpointProperty):
+            continue
+        method = endpoint_function(value)
+        if method not in _HOLDING_BUSY and not inspect.iscoroutinefunction(method):
+            set_endpoint_function(value, _holding_busy(method))
 
 
 def _holding_busy(method: Any) -> Any:
@@ -105,8 +105,11 @@ def _holding_busy(method: Any) -> Any:
         with _busy_lock(self):
             return method(self, *args, **kwargs)
 
-    holding._holds_busy = True  # type: ignore[attr-defined]
+    _HOLDING_BUSY.add(holding)
     return holding
+
+
+_HOLDING_BUSY: weakref.WeakSet[Any] = weakref.WeakSet()  # wrapped already: never twice
 
 
 def _document_endpoints(cls: type) -> None:
@@ -220,7 +223,8 @@ class _OwnCalls:
         self.actor = actor
 
     def __getattr__(self, method: str) -> Any:
-        return functools.partial(getattr(type(self.actor), method)._method, self.actor)
+        return functools.partial(endpoint_function(getattr(type(self.actor), method)),
+                                 self.actor)
 
 
 def _tenant_here(name: str) -> _OwnCalls:

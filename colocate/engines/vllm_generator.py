@@ -291,7 +291,7 @@ def _no_teardown_at_exit(llm: vllm.LLM) -> None:
 
     client = llm.llm_engine.engine_core
     if isinstance(client, InprocClient):  # a child engine process has its own exit
-        client._finalizer.atexit = False
+        client._finalizer.atexit = False  # noqa: SLF001 (vllm-project/vllm#48620, above)
 
 
 def _engine_ranks(llm_kwargs: dict[str, Any], config: dict[str, Any]) -> int:

@@ -69,7 +69,7 @@ def _shm_group_name_of_this_engine(communicator) -> str:
 
 _CPUSHMDistributed.make_group_name = staticmethod(_shm_group_name_of_this_engine)
 
-_vllm_init_cpu_shm = _CPUSHMDistributed._init_cpu_shm
+_vllm_init_cpu_shm = _CPUSHMDistributed._init_cpu_shm  # noqa: SLF001 (wrapped below)
 
 
 def _init_cpu_shm_recorded(distributed: _CPUSHMDistributed) -> int:
@@ -85,7 +85,7 @@ def _init_cpu_shm_recorded(distributed: _CPUSHMDistributed) -> int:
     return _vllm_init_cpu_shm(distributed)
 
 
-_CPUSHMDistributed._init_cpu_shm = _init_cpu_shm_recorded
+_CPUSHMDistributed._init_cpu_shm = _init_cpu_shm_recorded  # noqa: SLF001 (see its docstring)
 
 
 def hf_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -6,27 +6,20 @@ GPU in PCI bus order). A slot's proc gets CUDA_VISIBLE_DEVICES=<that GPU's UUID>
 on its own host when it starts (`run_on_slot_gpu`), so neither NVML's nor CUDA's numbering,
 nor another host's GPUs, can put it on the wrong GPU.
 
-NVML is probed once per process (`nvml_available`, as vLLM's `cumem_available`): absent
-(no pynvml, no NVML library, no driver loaded) means no GPUs; any other NVML error is raised
-as `NvmlError` naming the call, not taken for "no GPUs".
+NVML is probed once per process (`colocate.telemetry.nvml`): absent means no GPUs; any other
+NVML error is raised as `NvmlError` naming the call, not taken for "no GPUs".
 """
 
 from __future__ import annotations
 
-import atexit
-import functools
 import os
 import runpy
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import ModuleType
+
+from colocate.telemetry.nvml import NvmlError, nvml
 
 GPU_SLOT_ENV = "COLOCATE_GPU_SLOT"  # set at bootstrap: resolve this slot's GPU, then start
-
-
-class NvmlError(RuntimeError):
-    """NVML is there but failed (no permission, a GPU lost...): the message names the call
-    and NVML's error."""
 
 
 @dataclass(frozen=True)
@@ -37,28 +30,9 @@ class Gpu:
     name: str  # the model, e.g. "NVIDIA H100 80GB HBM3"
 
 
-@functools.cache
-def _nvml() -> ModuleType | None:
-    """pynvml, initialised once for this process (shut down at exit); None where NVML is
-    absent: no pynvml, no NVML library, or no driver loaded."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as err:
-        if err.value in (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
-                         pynvml.NVML_ERROR_DRIVER_NOT_LOADED):
-            return None
-        raise NvmlError(f"nvmlInit failed: {err}") from err
-    atexit.register(pynvml.nvmlShutdown)
-    return pynvml
-
-
 def nvml_available() -> bool:
     """Whether this process can ask NVML about GPUs (probed on the first call only)."""
-    return _nvml() is not None
+    return nvml() is not None
 
 
 def _text(value: bytes | str) -> str:
@@ -69,20 +43,20 @@ def nvml_gpus() -> list[Gpu]:
     """This host's GPUs in NVML (PCI bus) order, whatever CUDA_VISIBLE_DEVICES says; empty
     where NVML is absent (no driver, no GPU, no pynvml). Raises `NvmlError` when NVML is
     there but fails."""
-    nvml = _nvml()
-    if nvml is None:
+    lib = nvml()
+    if lib is None:
         return []
     call = "nvmlDeviceGetCount"
     try:
         found = []
-        for i in range(int(nvml.nvmlDeviceGetCount())):
+        for i in range(int(lib.nvmlDeviceGetCount())):
             call = f"nvmlDeviceGetHandleByIndex({i})"
-            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            handle = lib.nvmlDeviceGetHandleByIndex(i)
             call = f"nvmlDeviceGetUUID/Name of GPU {i}"
-            found.append(Gpu(_text(nvml.nvmlDeviceGetUUID(handle)),
-                             _text(nvml.nvmlDeviceGetName(handle))))
+            found.append(Gpu(_text(lib.nvmlDeviceGetUUID(handle)),
+                             _text(lib.nvmlDeviceGetName(handle))))
         return found
-    except nvml.NVMLError as err:
+    except lib.NVMLError as err:
         raise NvmlError(f"{call} failed: {err}") from err
 
 

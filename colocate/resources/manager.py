@@ -211,6 +211,13 @@ class ResourceManager:
         if self.proc_watch is not None:
             self.proc_watch.watch(self.faults.watched())
 
+    async def start(self) -> None:
+        """Start the hosts' arbiters, then their watch on the procs."""
+        await self.switchboard.start(self.job.mesh, self.gpus_per_host)
+        self.proc_watch = ProcWatch(self.switchboard.arbiter, self.job.num_hosts,
+                                    self._procs_died)
+        self.proc_watch.start()
+
     def _procs_died(self, host: int, pids: list[int]) -> None:
         """The proc watch of `host` found `pids` dead: their spawns failed."""
         self.faults.died(host, pids, "its proc, pid {pid}, died (found by the proc watch "
@@ -357,9 +364,7 @@ async def init(scheduler: Any = "local", hosts: int = 1, gpus_per_host: int | No
         rm = ResourceManager(job, gpus_per_host, virtual=found == 0,
                              arbiter_config=arbiter or ArbiterConfig())
         monarch.actor.unhandled_fault_hook = rm.faults.on_fault
-        await rm.switchboard.start(job.mesh, gpus_per_host)
-        rm.proc_watch = ProcWatch(rm.switchboard.arbiter, job.num_hosts, rm._procs_died)
-        rm.proc_watch.start()
+        await rm.start()
     except BaseException:
         job.stop()
         raise

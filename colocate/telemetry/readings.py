@@ -11,13 +11,14 @@ tolerance for what those may allocate or free meanwhile (`DEVICE_WIDE_TOLERANCE_
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import psutil
 import torch
+
+from colocate.telemetry.nvml import NvmlError, nvml
 
 
 class TelemetryError(RuntimeError):
@@ -108,32 +109,23 @@ def process_runs(pid: int) -> bool:
     return not flags & PF_EXITING
 
 
-_nvml_lock = threading.Lock()
-_nvml: Any = None  # the pynvml module, once nvmlInit() has succeeded
 _handles: dict[str, Any] = {}  # bare device UUID -> NVML device handle
 
 
-def _init_nvml() -> Any:
-    """Import pynvml and run nvmlInit() once per process; TelemetryError when that fails."""
-    global _nvml
-    with _nvml_lock:
-        if _nvml is None:
-            try:
-                import pynvml
-            except ImportError as e:
-                raise TelemetryError(
-                    f"cannot read GPU memory: the NVML bindings are missing ({e}); "
-                    "install the nvidia-ml-py package (`pip install nvidia-ml-py`)"
-                ) from e
-            try:
-                pynvml.nvmlInit()
-            except pynvml.NVMLError as e:
-                raise TelemetryError(
-                    f"cannot read GPU memory: NVML failed to initialize ({e}); check that the "
-                    "NVIDIA driver is installed and loaded (`nvidia-smi` must work here)"
-                ) from e
-            _nvml = pynvml
-        return _nvml
+def _nvml() -> Any:
+    """pynvml, initialised (`colocate.telemetry.nvml`); TelemetryError where it cannot be."""
+    try:
+        lib = nvml()
+    except NvmlError as e:
+        raise TelemetryError(
+            f"cannot read GPU memory: {e}; check that the NVIDIA driver is installed and "
+            "loaded (`nvidia-smi` must work here)") from e
+    if lib is None:
+        raise TelemetryError(
+            "cannot read GPU memory: NVML is not available here: install its bindings, the "
+            "nvidia-ml-py package (`pip install nvidia-ml-py`), and check that the NVIDIA "
+            "driver is loaded (`nvidia-smi` must work)")
+    return lib
 
 
 def device_uuid(index: int) -> str:
@@ -156,12 +148,12 @@ def _handle(uuid: str) -> Any:
     handle = _handles.get(uuid)
     if handle is not None:
         return handle
-    nvml = _init_nvml()
+    lib = _nvml()
     # NVML names a full GPU "GPU-<uuid>" and a MIG instance "MIG-<uuid>"; torch gives neither.
     for prefix in ("GPU-", "MIG-"):
         try:
-            handle = nvml.nvmlDeviceGetHandleByUUID(prefix + uuid)
-        except nvml.NVMLError:
+            handle = lib.nvmlDeviceGetHandleByUUID(prefix + uuid)
+        except lib.NVMLError:
             continue
         _handles[uuid] = handle
         return handle
@@ -177,7 +169,7 @@ def read_gpu_uuid(uuid: str, label: str | None = None) -> MemoryReading:
     Works from any process of the host, whatever its CUDA_VISIBLE_DEVICES.
     """
     handle = _handle(uuid.removeprefix("GPU-").removeprefix("MIG-"))
-    info = _nvml.nvmlDeviceGetMemoryInfo(handle)
+    info = _nvml().nvmlDeviceGetMemoryInfo(handle)
     return MemoryReading(label or f"gpu:{uuid}", int(info.used), time.time(),
                          total_bytes=int(info.total), scope="device")
 
@@ -206,10 +198,11 @@ def read_gpu_uuid_process(uuid: str, pid: int, label: str | None = None) -> Memo
     reading (`scope="device"`) where NVML does not give it; from any process of the host
     (how an arbiter can measure a tenant's release without counting other processes)."""
     reading = read_gpu_uuid(uuid, label=label)
+    lib = _nvml()
     try:
-        entries = _nvml.nvmlDeviceGetComputeRunningProcesses(
+        entries = lib.nvmlDeviceGetComputeRunningProcesses(
             _handle(uuid.removeprefix("GPU-").removeprefix("MIG-")))
-    except _nvml.NVMLError:
+    except lib.NVMLError:
         return reading
     share = process_share(entries, pid)
     if share is None:

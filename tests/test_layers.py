@@ -1,0 +1,101 @@
+"""The project's import structure: imports point down the layers (examples -> services ->
+colocate), and no two modules of colocate/ or services/ import each other, directly or
+round a longer circle. Imports inside functions count (they still tie the modules at run
+time); those under `if TYPE_CHECKING:` do not (type hints only, never run)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("colocate", "services")
+LAYERS = ("colocate", "services", "examples")  # each imports only those before it
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_imports(path: Path, modules: set[str]) -> set[str]:
+    """The project modules `path` imports (`from a.b import c` counts as a.b.c when c is a
+    module, else a.b)."""
+    found = set()
+    tree = ast.parse(path.read_text())
+    type_only = {id(node) for block in ast.walk(tree) if _type_checking(block)
+                 for child in block.body for node in ast.walk(child)}
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in modules}
+
+
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def graph(packages: tuple[str, ...]) -> dict[str, set[str]]:
+    paths = {module_name(p): p for package in packages for p in (ROOT / package).rglob("*.py")}
+    return {name: project_imports(path, set(paths)) - {name} for name, path in paths.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Each strongly connected group of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for after in edges[node]:
+            if after not in index:
+                visit(after)
+                low[node] = min(low[node], low[after])
+            elif after in stack:
+                low[node] = min(low[node], index[after])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_cycle_finder_finds_a_circle_of_three_and_not_a_chain():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_modules_of_a_package_import_each_other(package):
+    edges = graph((package,))
+    edges = {m: {i for i in imported if not m.startswith(i + ".")}  # a package's own
+             for m, imported in edges.items()}                      # __init__ re-exports
+    assert cycles(edges) == []
+
+
+def test_imports_point_down_the_layers():
+    everything = graph(LAYERS)
+    upward = [(module, imported) for module, imported_set in everything.items()
+              for imported in imported_set
+              if LAYERS.index(imported.split(".")[0]) > LAYERS.index(module.split(".")[0])]
+    assert upward == []
