@@ -93,7 +93,51 @@ def freed_scratch_scenario() -> dict:
             "recorded": event.before_bytes - event.after_bytes}
 
 
+def storage_walks_scenario() -> dict:
+    """How often a pause, a resume and a tenant's sleep walk a tag's storages (each walk
+    revives every storage of the tag: a switch's pauses paid for two per tag)."""
+    from colocate.arbiter.tenant import TaggedTenant
+    from colocate.memory import registry
+
+    walks: list[str] = []
+    walk = registry.Tag.nbytes
+
+    def counted(self: registry.Tag, device_type: str | None = None) -> int:
+        walks.append(self.name)
+        return walk(self, device_type)
+
+    registry.Tag.nbytes = counted  # type: ignore[method-assign]
+    held = _filled(MiB, seed=7)
+    memory.adopt(held, "walked", backup=True)
+    out = {"resident": memory.resident_bytes("walked")}
+    walks.clear()
+    out["returned"] = memory.pause("walked")
+    out["pause_walks"] = len(walks)
+    walks.clear()
+    memory.resume("walked")
+    out["resume_walks"] = len(walks)
+
+    tenant = TaggedTenant({"weights": "walker/weights", "cache": "walker/cache"},
+                          backup={"weights": True, "cache": False})
+    kept = [_filled(MiB, seed=8), _filled(2 * MiB, seed=9)]  # a tag holds weak references
+    tenant.adopt(kept[0], "weights")
+    tenant.adopt(kept[1], "cache")
+    walks.clear()
+    out["slept"] = tenant.sleep()
+    out["sleep_walks"] = sorted(walks)
+    return out
+
+
 # -- tests ------------------------------------------------------------------------------
+
+
+def test_a_pause_returns_the_tags_bytes_and_each_switch_op_walks_its_storages_once(isolated):
+    out = isolated(storage_walks_scenario)
+    assert out["returned"] == out["resident"] == MiB
+    assert out["pause_walks"] == 1
+    assert out["resume_walks"] == 1
+    assert out["slept"] == 3 * MiB  # the bytes the arbiter will check came back
+    assert out["sleep_walks"] == ["walker/cache", "walker/weights"]
 
 def test_pause_releases_and_resume_restores_in_place(isolated):
     out = isolated(two_tenants_scenario)
@@ -201,6 +245,26 @@ def test_module_and_optimizer_train_on_after_pause():
     memory.resume("policy")
     assert [step(ref_model, ref_opt, s) for s in range(1, 4)] == \
         [step(model, opt, s) for s in range(1, 4)]
+
+
+def test_a_backup_saves_the_storages_bytes_not_the_huge_page_padding(tmp_path):
+    from colocate.memory.arena import HUGE_PAGE, ArenaBackend
+    from colocate.memory.registry import TagRegistry
+
+    registry = TagRegistry()
+    backend = registry._backends["cpu"] = ArenaBackend(backup_dir=str(tmp_path))
+    small, large = _filled(300 * 1024, seed=10), _filled(HUGE_PAGE + 4096, seed=11)
+    digests = [_digest(small), _digest(large)]
+    registry.adopt(small, "padded", backup=True)  # one chunk, one huge page
+    registry.adopt(large, "padded", backup=True)  # a second chunk: two huge pages
+    chunks = backend.arenas["padded"].live_chunks()
+    assert [len(c) for c in chunks] == [HUGE_PAGE, 2 * HUGE_PAGE]
+    registry.pause("padded")
+    written = os.fstat(backend.arenas["padded"].backup.fileno()).st_size
+    assert written == 300 * 1024 + HUGE_PAGE + 4096  # both sizes are multiples of ALIGN
+    registry.resume("padded")
+    assert [_digest(small), _digest(large)] == digests  # each chunk read from its offset
+    assert backend.arenas["padded"].backup is None
 
 
 def test_failed_backup_leaves_the_tag_active_and_intact(tmp_path, monkeypatch):

@@ -124,8 +124,7 @@ class TaggedTenant:
                 continue
             tag = self.stages[stage]
             if memory.state(tag) is memory.TagState.ACTIVE:
-                released += memory.resident_bytes(tag)
-                memory.pause(tag)
+                released += memory.pause(tag)  # its bytes, counted once by the pause
                 if not self.backup.get(stage, True):
                     self._lost.add(stage)
         return released

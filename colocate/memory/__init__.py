@@ -65,11 +65,12 @@ def adopt(obj: Any, tag: str, backup: bool = False) -> int:
     return _registry.adopt(obj, tag, backup)
 
 
-def pause(tag: str) -> None:
+def pause(tag: str) -> int:
     """Release the tag's memory (with backup: after saving it), and what the allocators
     keep of the process's freed memory (`release_cached`), so the reading taken after it,
-    which the timeline and the leak tracker see, is what the process still holds."""
-    _registry.pause(tag)
+    which the timeline and the leak tracker see, is what the process still holds. Returns
+    the bytes the tag held (its `resident_bytes` just before)."""
+    return _registry.pause(tag)
 
 
 def resume(tag: str) -> None:

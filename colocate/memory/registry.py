@@ -254,7 +254,10 @@ class TagRegistry:
 
     # -- transitions -----------------------------------------------------------------
 
-    def pause(self, tag: str) -> None:
+    def pause(self, tag: str) -> int:
+        """Pause `tag` on each of its devices; returns the bytes it held (counted once:
+        walking a tag's storages costs a few microseconds each, and a switch pauses
+        several tags)."""
         with self._lock:
             record = self._get(tag)
             if record.state is TagState.PAUSED:
@@ -266,11 +269,14 @@ class TagRegistry:
                     "a paused tag). Pause a tag from the thread or actor that fills it."
                 )
             done: list[str] = []
+            held = 0
             try:
                 for device_type in sorted(record.devices):
-                    self._measured("pause", record, device_type,
+                    nbytes = record.nbytes(device_type)
+                    self._measured("pause", record, device_type, nbytes,
                                    lambda b: b.pause(tag, record.backup, record.cuda_index))
                     done.append(device_type)
+                    held += nbytes
             except BaseException as err:
                 for device_type in done:
                     self._backend(device_type).resume(tag, record.nbytes(device_type),
@@ -280,6 +286,7 @@ class TagRegistry:
                     f"({', '.join(done) or 'nothing'} rolled back): {err}"
                 ) from err
             record.state = TagState.PAUSED
+            return held
 
     def resume(self, tag: str) -> None:
         with self._lock:
@@ -291,7 +298,7 @@ class TagRegistry:
             for device_type in sorted(record.devices - record.resumed, reverse=True):
                 nbytes = record.nbytes(device_type)
                 try:
-                    self._measured("resume", record, device_type,
+                    self._measured("resume", record, device_type, nbytes,
                                    lambda b, n=nbytes: b.resume(tag, n, record.cuda_index))
                 except BaseException as err:
                     raise TaggedMemoryError(
@@ -302,9 +309,11 @@ class TagRegistry:
             record.resumed.clear()
             record.state = TagState.ACTIVE
 
-    def _measured(self, op: str, record: Tag, device_type: str, action) -> None:
+    def _measured(self, op: str, record: Tag, device_type: str, nbytes: int,
+                  action) -> None:
+        """Run `action` on the backend of `device_type` and record it in the timeline
+        (`nbytes`: the tag's bytes there, counted by the caller, which needs them too)."""
         backend = self._backend(device_type)
-        nbytes = record.nbytes(device_type)
         start, (before, _) = time.time(), _reading(device_type, record.cuda_index)
         began = time.perf_counter()
         action(backend)
