@@ -20,7 +20,7 @@ run: $(STAMP)
 	$(PY) -m examples.rl_loop
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25  # the slowest, to keep CI under its hour
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
