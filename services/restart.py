@@ -178,7 +178,7 @@ class GroupRestarts:
         for service, replica in started:  # a new proc that died before it was HEALTHY
             if self.rm.faults.has_failed(replica.tenant):  # fails now: the next restart
                 service.fail_replica(replica, f"its proc died during the group's restart: "
-                                       f"{self.rm.faults.why(replica.tenant)}")
+                                              f"{self.rm.faults.why(replica.tenant)}")
 
     @staticmethod
     def _recovering(service: Service) -> list[Replica]:

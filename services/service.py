@@ -246,7 +246,7 @@ class Service(Generic[A]):
         return True
 
     def fail_replica(self, replica: Replica, err: BaseException | str,
-              tenant: str | None = None) -> None:
+                     tenant: str | None = None) -> None:
         """Mark a healthy (or leaving) replica failed (when `tenant` is given, only while it
         is still that generation); respawn a healthy one when the config says so: the
         replica alone, or with restart="group" its whole group."""
@@ -306,8 +306,8 @@ class Service(Generic[A]):
             await self.rm.remove(replica.tenant, replica.actors)
             allocation = await self.rm.replace_procs(replica.allocation)
             generation = replica.generation + 1
-            actors = await self.start_actors(tenant_name(self.name, replica.index, generation),
-                                       allocation)
+            actors = await self.start_actors(
+                tenant_name(self.name, replica.index, generation), allocation)
             replica.actors, replica.allocation, replica.generation = \
                 actors, allocation, generation
             for hook in self.on_respawn:
