@@ -139,6 +139,7 @@ def test_a_pause_returns_the_tags_bytes_and_each_switch_op_walks_its_storages_on
     assert out["slept"] == 3 * MiB  # the bytes the arbiter will check came back
     assert out["sleep_walks"] == ["walker/cache", "walker/weights"]
 
+
 def test_pause_releases_and_resume_restores_in_place(isolated):
     out = isolated(two_tenants_scenario)
     assert out["trainer_bytes"] == 256 * MiB
