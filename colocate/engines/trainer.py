@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from colocate.arbiter.tenant import TaggedTenant
 from colocate.engines.checkpoint import Checkpointer
-from colocate.engines.fsdp_gather import gather_full
+from colocate.engines.fsdp_gather import BucketGather
 from colocate.engines.parallel import check_layout, distributed_env, join_group, shard
 from colocate.engines.weights import WeightStream, publish
 
@@ -137,18 +137,20 @@ class PolicyTrainer:
     def _buckets(self, state: dict[str, torch.Tensor]
                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         bucket, size = [], 0
-        for name, tensor in state.items():
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > self.bucket_bytes:
-                yield _gathered(bucket)
-                bucket, size = [], 0
-            bucket.append((name, tensor.detach()))
-            size += nbytes
-        if bucket:
-            yield _gathered(bucket)
+        with BucketGather() as gather:  # one shared buffer for the pass, on one host
+            for name, tensor in state.items():
+                nbytes = tensor.numel() * tensor.element_size()
+                if bucket and size + nbytes > self.bucket_bytes:
+                    yield _gathered(gather, bucket)
+                    bucket, size = [], 0
+                bucket.append((name, tensor.detach()))
+                size += nbytes
+            if bucket:
+                yield _gathered(gather, bucket)
 
 
-def _gathered(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+def _gathered(gather: BucketGather, bucket: list[tuple[str, torch.Tensor]]
+              ) -> list[tuple[str, torch.Tensor]]:
     """`bucket` with its FSDP shards gathered into full tensors (one buffer per bucket)."""
     names = [name for name, _ in bucket]
-    return list(zip(names, gather_full([tensor for _, tensor in bucket]), strict=True))
+    return list(zip(names, gather([tensor for _, tensor in bucket]), strict=True))

@@ -142,7 +142,8 @@ class StaleWeightsError(RuntimeError):
 WRITING = -1  # the header's value while an export writes
 
 
-def _shm_dir() -> Path:
+def shm_dir() -> Path:
+    """This user's folder for shared-memory files of weights (/dev/shm, else the temp dir)."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     path = base / f"colocate-weights-{os.getuid()}"
     path.mkdir(exist_ok=True)
@@ -196,7 +197,7 @@ def export_weights(weights: WeightStream | Iterable[tuple[str, torch.Tensor]], k
         offset += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
     # the writer's pid in the name: two runs of one user never share a file, and the
     # runtime removes it if the writer is killed (shm_files; atexit does at a normal exit)
-    path = _shm_dir() / f"{key.replace('/', '_')}-{os.getpid()}.bin"
+    path = shm_dir() / f"{key.replace('/', '_')}-{os.getpid()}.bin"
     if not path.exists():
         record_shm([path])
     if not path.exists() or path.stat().st_size != offset:  # a new file, all at once
