@@ -93,6 +93,39 @@ def freed_scratch_scenario() -> dict:
             "recorded": event.before_bytes - event.after_bytes}
 
 
+def one_trim_a_sleep_scenario() -> dict:
+    """A two-stage tenant's sleep after it freed 64 MiB of small scratch tensors: how many
+    times it gives back the allocators' memory, and what its two pauses record."""
+    from colocate.arbiter.tenant import TaggedTenant
+    from colocate.memory import registry
+
+    trims: list[str] = []
+    trim = registry.release_cached
+
+    def counted() -> None:
+        trims.append("trim")
+        trim()
+
+    registry.release_cached = counted
+    tenant = TaggedTenant({"weights": "trimmed/weights", "grads": "trimmed/grads"},
+                          backup={"weights": True, "grads": False})
+    kept = [_filled(MiB, seed=10), _filled(MiB, seed=11)]
+    tenant.adopt(kept[0], "weights")
+    tenant.adopt(kept[1], "grads")
+    scratch = [torch.ones(16 * 1024) for _ in range(1024)]  # 64 KiB each
+    pin = torch.ones(16 * 1024)
+    del scratch
+    before = _rss()
+    tenant.sleep()
+    events = telemetry.timeline().events[-2:]
+    out = {"sleep_trims": len(trims), "tags": [e.tag for e in events],
+           "drops": [before - e.after_bytes for e in events], "pinned": pin.numel()}
+    memory.adopt(_filled(MiB, seed=12), "trimmed/alone")
+    memory.pause("trimmed/alone")
+    out["lone_pause_trims"] = len(trims) - out["sleep_trims"]
+    return out
+
+
 def storage_walks_scenario() -> dict:
     """How often a pause, a resume and a tenant's sleep walk a tag's storages (each walk
     revives every storage of the tag: a switch's pauses paid for two per tag)."""
@@ -163,6 +196,16 @@ def test_a_pause_gives_back_freed_untagged_memory(isolated):
     assert out["expected"] == MiB  # the arbiter expects the tagged bytes back...
     assert out["slept"] >= 48 * MiB, out  # ...and the pause returns malloc's pages as well
     assert out["recorded"] >= 48 * MiB, out  # the timeline's reading after it shows that
+
+
+def test_a_sleep_of_several_stages_trims_once_and_reads_after_the_trim(isolated):
+    """One malloc_trim a sleep (its cost grows as a long run fragments the heap), and every
+    pause of the sleep records a reading taken after it, which shows the freed scratch."""
+    out = isolated(one_trim_a_sleep_scenario)
+    assert out["sleep_trims"] == 1
+    assert out["lone_pause_trims"] == 1
+    assert out["tags"] == ["trimmed/grads", "trimmed/weights"]
+    assert all(drop >= 48 * MiB for drop in out["drops"]), out
 
 
 def test_bad_transitions_raise_and_the_process_goes_on():

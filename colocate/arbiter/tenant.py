@@ -115,18 +115,19 @@ class TaggedTenant:
 
     def sleep(self, stages: Sequence[str] | None = None) -> int:
         """Pause `stages` (default: all) that are awake, caches first; returns the bytes
-        they held. (Each pause also gives back what the allocators keep of the process's
-        freed memory.)"""
+        they held. (The sleep also gives back what the allocators keep of the process's
+        freed memory, once, after its pauses.)"""
         self._check_stages(stages or ())
         released = 0
-        for stage in reversed(self._known()):
-            if stages is not None and stage not in stages:
-                continue
-            tag = self.stages[stage]
-            if memory.state(tag) is memory.TagState.ACTIVE:
-                released += memory.pause(tag)  # its bytes, counted once by the pause
-                if not self.backup.get(stage, True):
-                    self._lost.add(stage)
+        with memory.pausing_together():  # one malloc_trim for the sleep, not one a stage
+            for stage in reversed(self._known()):
+                if stages is not None and stage not in stages:
+                    continue
+                tag = self.stages[stage]
+                if memory.state(tag) is memory.TagState.ACTIVE:
+                    released += memory.pause(tag)  # its bytes, counted once by the pause
+                    if not self.backup.get(stage, True):
+                        self._lost.add(stage)
         return released
 
     def lost(self, stage: str) -> bool:

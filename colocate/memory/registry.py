@@ -15,7 +15,7 @@ import enum
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -124,6 +124,7 @@ class TagRegistry:
         self._lock = threading.RLock()
         self._in_region = threading.local()
         self._open: dict[str, list[str]] = {}  # tag -> threads with a region of it open
+        self._unfinished: list[Callable[[], None]] | None = None  # pauses held together
 
     # -- backends and tags ------------------------------------------------------------
 
@@ -309,6 +310,26 @@ class TagRegistry:
             record.resumed.clear()
             record.state = TagState.ACTIVE
 
+    @contextmanager
+    def pausing_together(self) -> Iterator[None]:
+        """Pauses in this block give back what the allocators keep (`release_cached`) once,
+        as it ends, and take their after-readings then: one `malloc_trim` a sleep rather
+        than one a tag (the trim walks every free chunk of the heap, and costs more as a
+        long run fragments it). A nested block joins the outer one."""
+        with self._lock:
+            if self._unfinished is not None:
+                yield
+                return
+            self._unfinished = []
+            try:
+                yield
+            finally:
+                unfinished, self._unfinished = self._unfinished, None
+                if unfinished:
+                    release_cached()
+                    for finish in unfinished:
+                        finish()
+
     def _measured(self, op: str, record: Tag, device_type: str, nbytes: int,
                   action) -> None:
         """Run `action` on the backend of `device_type` and record it in the timeline
@@ -318,21 +339,29 @@ class TagRegistry:
         began = time.perf_counter()
         action(backend)
         seconds = time.perf_counter() - began
-        if op == "pause":  # what the allocators keep of freed memory goes too (untimed)
+
+        def finish() -> None:
+            after, scope = _reading(device_type, record.cuda_index)
+            telemetry.timeline().record(telemetry.SwitchEvent(
+                op=op, tag=record.name, nbytes=nbytes, seconds=seconds, before_bytes=before,
+                after_bytes=after, start=start, pid=os.getpid(),
+                device=device_type if record.cuda_index is None or device_type != "cuda"
+                else f"cuda:{record.cuda_index}",
+            ))
+            if op == "pause":
+                # a device-wide reading moves with other processes too: allow for them
+                telemetry.leak_tracker().observe(
+                    f"{record.name}@{device_type}", after,
+                    min_tolerance_bytes=telemetry.DEVICE_WIDE_TOLERANCE_BYTES
+                    if scope == "device" else 0)
+
+        if op != "pause":
+            finish()
+        elif self._unfinished is not None:  # a block of pauses: read once it ends
+            self._unfinished.append(finish)
+        else:  # what the allocators keep of freed memory goes too (untimed)
             release_cached()
-        after, scope = _reading(device_type, record.cuda_index)
-        telemetry.timeline().record(telemetry.SwitchEvent(
-            op=op, tag=record.name, nbytes=nbytes, seconds=seconds, before_bytes=before,
-            after_bytes=after, start=start, pid=os.getpid(),
-            device=device_type if record.cuda_index is None or device_type != "cuda"
-            else f"cuda:{record.cuda_index}",
-        ))
-        if op == "pause":
-            # a device-wide reading moves with other processes too: allow for them
-            telemetry.leak_tracker().observe(
-                f"{record.name}@{device_type}", after,
-                min_tolerance_bytes=telemetry.DEVICE_WIDE_TOLERANCE_BYTES if scope == "device"
-                else 0)
+            finish()
 
     # -- queries -----------------------------------------------------------------------
 
