@@ -21,7 +21,7 @@ full tensors into preallocated ones (median of 3 after one untimed copy), and in
 tensors (page faults included, as each gather's new buffer has), once per round. The two
 ways' tensors are checked equal bit for bit once per model and bucket size.
 
-    python bench/fsdp_sync.py [--models h256x4,50M] [--bucket-mb 8,256] [--rounds 5]
+    python -m bench.fsdp_sync [--models h256x4,50M] [--bucket-mb 8,64,256] [--rounds 5]
                               [--out runs/bench_fsdp_sync/results.json]
 """
 
@@ -197,7 +197,7 @@ def loadavg() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="h256x4,50M")
-    parser.add_argument("--bucket-mb", default="8,256")
+    parser.add_argument("--bucket-mb", default="8,64,256")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="runs/bench_fsdp_sync/results.json")
     args = parser.parse_args()
