@@ -41,9 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from colocate.engines.weights import shm_dir
-
-ALIGN = 64  # bytes: each tensor's part of a shared buffer starts on a cache line
+from colocate.engines.weights import ALIGN, shm_dir  # each tensor's part starts aligned
 
 
 def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
