@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from colocate.resources.hosts import GPU_SLOT_ENV, Gpu, slot_gpu, visible_gpus
-from colocate.resources.procs import SLOT_ENV, _bootstrap, _slot_env
+from colocate.resources.procs import SLOT_ENV, _slot_env, bootstrap_command
 
 H100 = [Gpu(f"GPU-{i}aaa-{i}", "NVIDIA H100 80GB HBM3") for i in range(8)]  # PCI order
 MIXED = [Gpu("GPU-0a", "NVIDIA A100"), Gpu("GPU-1b", "NVIDIA H100"), Gpu("GPU-2c", "NVIDIA A100")]
@@ -43,12 +43,14 @@ def test_a_gpu_slot_proc_resolves_its_gpu_at_bootstrap(monkeypatch):
     assert _slot_env(2, virtual=True) == {SLOT_ENV: "2"}
     env = _slot_env(2, virtual=False)
     assert env == {SLOT_ENV: "2", GPU_SLOT_ENV: "2"}  # no raw index as CUDA_VISIBLE_DEVICES
-    command = _bootstrap(lambda point: _slot_env(point["gpus"], virtual=False))({"gpus": 5})
-    assert command.args[0] == "-c" and "run_on_slot_gpu('monarch._src.actor.bootstrap_main')" \
+    command = bootstrap_command(lambda point: _slot_env(point["gpus"], virtual=False))(
+        {"gpus": 5})
+    assert command.args[0] == "-c" and "run('monarch._src.actor.bootstrap_main', gpu_slot=True)" \
         in command.args[1]
     assert command.env[GPU_SLOT_ENV] == "5"
-    plain = _bootstrap(lambda point: _slot_env(point["gpus"], virtual=True))({"gpus": 5})
-    assert plain.args == ["-m", "monarch._src.actor.bootstrap_main"]
+    plain = bootstrap_command(lambda point: _slot_env(point["gpus"], virtual=True))({"gpus": 5})
+    assert "run('monarch._src.actor.bootstrap_main', gpu_slot=False)" in plain.args[1]
+    assert GPU_SLOT_ENV not in plain.env
 
 
 def test_gpu_slot_procs_start_in_preload_mode_when_this_process_runs_in_it(monkeypatch):

@@ -111,7 +111,7 @@ def slot_gpu(slot: int, env: Mapping[str, str], gpus: list[Gpu]) -> str:
 
 
 def run_on_slot_gpu(module: str) -> None:
-    """A GPU slot's proc bootstrap (see `colocate.resources.procs._bootstrap`): set
+    """A GPU slot's proc bootstrap (see `colocate.resources.procs.bootstrap_command`): set
     CUDA_VISIBLE_DEVICES to the UUID of slot $COLOCATE_GPU_SLOT's GPU, resolved here on the
     proc's own host (its GPUs, its inherited CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER)
     before anything starts CUDA, then run `module` as `python -m` would."""

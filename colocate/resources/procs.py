@@ -64,24 +64,25 @@ def _slot_env(slot: int, virtual: bool) -> dict[str, str]:
     return env
 
 
-def _bootstrap(env: Callable[[dict[str, int]], dict[str, str]]) -> Callable[[Any], Any]:
+def bootstrap_command(env: Callable[[dict[str, int]], dict[str, str]]
+                      ) -> Callable[[Any], Any]:
     """A bootstrap command for each proc with `env(its coordinates)` added, set before the
-    proc starts. A GPU slot's proc (`GPU_SLOT_ENV` in its env) first runs
-    `gpus.run_on_slot_gpu`, which sets CUDA_VISIBLE_DEVICES to its GPU's UUID on the proc's
-    own host, then Monarch's bootstrap module, so CUDA sees only that GPU."""
+    proc starts. Every proc starts through `proc_main.run`, then Monarch's bootstrap
+    module; a GPU slot's proc (`GPU_SLOT_ENV` in its env) first gets CUDA_VISIBLE_DEVICES
+    set to its GPU's UUID on the proc's own host (`gpus.run_on_slot_gpu`), so CUDA sees only
+    that GPU."""
     from colocate.resources.gpus import GPU_SLOT_ENV
 
     def command(point: Any) -> BootstrapCommand:
         base = default_bootstrap_cmd()
         extra = env(dict(point))
         args = list(base.args)
-        if GPU_SLOT_ENV in extra:
-            if args[:1] != ["-m"] or len(args) < 2:
-                raise ResourceError(
-                    f"cannot give a GPU slot's proc its GPU: Monarch's bootstrap command is "
-                    f"{base.program} {args}, not `python -m <module>`")
-            args = ["-c", "from colocate.resources.gpus import run_on_slot_gpu; "
-                    f"run_on_slot_gpu({args[1]!r})", *args[2:]]
+        if args[:1] != ["-m"] or len(args) < 2:
+            raise ResourceError(
+                f"cannot start a proc through colocate.resources.proc_main: Monarch's "
+                f"bootstrap command is {base.program} {args}, not `python -m <module>`")
+        args = ["-c", "from colocate.resources.proc_main import run; "
+                f"run({args[1]!r}, gpu_slot={GPU_SLOT_ENV in extra})", *args[2:]]
         return BootstrapCommand(base.program, base.arg0, args, {**(base.env or {}), **extra})
 
     return command
@@ -115,7 +116,7 @@ async def spawn_slot_procs(host_mesh: Any, first_host: int, hosts: int, per_host
         return _slot_env(slot_of(point.get("hosts", 0), point["gpus"]), virtual)
 
     procs = select(host_mesh, hosts=slice(first_host, first_host + hosts)).spawn_procs(
-        per_host={"gpus": per_host}, bootstrap_command=_bootstrap(env))
+        per_host={"gpus": per_host}, bootstrap_command=bootstrap_command(env))
     probe = procs.spawn("probe", ProcProbe)
     info = await probe.info.call()
     return SlotProcs(procs, tuple(value["pid"] for _, value in info.items()))

@@ -22,7 +22,7 @@ from colocate.arbiter.actor import Arbiter, HostStatus, remote_errors
 from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.errors import ArbiterError, SwitchAbortedError, TenantLostError
 from colocate.resources.groups import Allocation
-from colocate.resources.procs import SlotProcs, rank_of, select, stop_procs
+from colocate.resources.procs import SlotProcs, bootstrap_command, rank_of, select, stop_procs
 from colocate.resources.watcher import Watcher
 
 DRAIN_LIVENESS_S = 0.25  # while a drain waits: how often the drained tenants' procs are checked
@@ -48,7 +48,8 @@ class Switchboard:
 
     async def start(self, host_mesh: Any, slots_per_host: int) -> None:
         """Start one `Arbiter` per host, on a proc of its own, for `slots_per_host` slots."""
-        procs = host_mesh.spawn_procs(per_host={"procs": 1})
+        procs = host_mesh.spawn_procs(per_host={"procs": 1},
+                                      bootstrap_command=bootstrap_command(lambda point: {}))
         self._procs = SlotProcs(procs, ())
         self._arbiters = procs.spawn("arbiter", Arbiter, list(range(slots_per_host)),
                                      self.config)
