@@ -51,6 +51,23 @@ def test_read_cpu_with_uss():
     assert reading.uss_bytes is not None and 0 < reading.uss_bytes <= reading.used_bytes
 
 
+def test_process_rss_is_psutils_rss_and_a_forked_child_reads_its_own():
+    import psutil
+
+    assert abs(process_rss() - psutil.Process().memory_info().rss) < 4 * MIB
+    read_r, write_w = os.pipe()
+    child = os.fork()  # inherits the parent's open /proc file
+    if child == 0:  # no torch here: its threads do not survive a fork
+        before = process_rss()
+        filled = b"x" * (64 * MIB)
+        os.write(write_w, f"{before} {process_rss()} {psutil.Process().memory_info().rss}"
+                 .encode())
+        os._exit(0 if filled else 1)
+    os.waitpid(child, 0)
+    before, after, psutils = map(int, os.read(read_r, 96).split())
+    assert after - before > 48 * MIB and abs(after - psutils) < 4 * MIB
+
+
 def test_process_rss_and_read_dispatch():
     assert process_rss() > 0
     for device in ("cpu", torch.device("cpu")):

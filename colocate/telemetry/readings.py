@@ -61,18 +61,29 @@ def _process() -> psutil.Process:
     return cached[1]
 
 
+_statm: tuple[int, int] | None = None  # (pid, an open descriptor of its /proc/<pid>/statm)
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
 def process_rss() -> int:
-    """This process's resident set size in bytes (one cheap system call, for hot paths)."""
-    return _process().memory_info().rss
+    """This process's resident set size in bytes, for hot paths (a switch reads it 20-40
+    times): one `pread` of /proc/<pid>/statm, kept open (about 3 us, where psutil's
+    `memory_info` opens, reads and closes it in about 30 us). Reopened after a fork."""
+    global _statm
+    pid = os.getpid()
+    if _statm is None or _statm[0] != pid:
+        if _statm is not None:
+            os.close(_statm[1])  # the parent's, inherited through a fork
+        _statm = (pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY | os.O_CLOEXEC))
+    return int(os.pread(_statm[1], 128, 0).split()[1]) * PAGE_SIZE
 
 
 def read_cpu(include_uss: bool = False) -> MemoryReading:
     """This process's RSS; with `include_uss` also its USS (slower: it walks the memory maps)."""
-    process = _process()
     if include_uss:
-        info = process.memory_full_info()
+        info = _process().memory_full_info()
         return MemoryReading("cpu", info.rss, time.time(), uss_bytes=info.uss)
-    return MemoryReading("cpu", process.memory_info().rss, time.time())
+    return MemoryReading("cpu", process_rss(), time.time())
 
 
 _others: dict[int, psutil.Process] = {}
