@@ -10,6 +10,8 @@
    `in place` (what a handoff's copy does: `copy_weights` into the generator's own tensors),
    `shared memory` (export to /dev/shm, then load: two copies; what replicas on other procs
    use), and `handoff` (the arbiter's whole staged handoff: stage sleeps, wakes and the copy).
+   On a GPU (the engines place the models there) these are device copies: `device.sh bench`
+   runs it with 1.8 GB of weights.
 
     python bench/engines.py [--dim 512] [--layers 8] [--engines torch,vllm] [--rounds 5]
                             [--out runs/bench_engines/results.json]
@@ -161,13 +163,14 @@ def main() -> None:
               f"{row['wake_s_per_gib']:.3f} |")
     print(f"\nweight sync of {sync['bytes'] / 2**20:.0f} MiB, against raw memcpy "
           f"({sync['raw']['gb_per_s']:.2f} GB/s):")
-    print("| way | GB/s | / raw | target | verdict |")
-    print("|---|---:|---:|---:|---|")
+    print("| way | GB/s | s/GB | / raw | target | verdict |")
+    print("|---|---:|---:|---:|---:|---|")
     for way in ("in place", "shared memory", "handoff"):
         row = sync[way]
         target = f">= {MIN_SYNC_RATIO}" if way == "in place" else ""
         verdict = ("PASS" if row["ratio"] >= MIN_SYNC_RATIO else "FAIL") if target else ""
-        print(f"| {way} | {row['gb_per_s']:.2f} | {row['ratio']:.2f} | {target} | {verdict} |")
+        print(f"| {way} | {row['gb_per_s']:.2f} | {1 / row['gb_per_s']:.3f} | "
+              f"{row['ratio']:.2f} | {target} | {verdict} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "command": command, "engines": engines,

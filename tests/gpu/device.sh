@@ -5,6 +5,8 @@
 #                                              # (git-ignored; carry: [".whl"])
 #   device: bash tests/gpu/device.sh run       # with .whl carried; writes $OUT/summary.md
 #           (every test by outcome, each benchmark's table), gpu-tests.log/.xml, bench-*.log
+#   device: bash tests/gpu/device.sh bench     # the longer benchmarks, in a call of their
+#           own: the trainer -> generator handoff of 1.8 GB of weights (bench/engines.py)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # The device image has torch (2.11), pytest, pytest-timeout, psutil, nvidia-ml-py, tqdm,
@@ -42,7 +44,7 @@ case "${1:-}" in
     if (( whl + tree > LIMIT_MIB << 20 )); then
       echo "over the carry limit: remove what .whl need not hold" >&2; exit 1
     fi ;;
-  run)
+  run|bench)
     mapfile -t missing < <(python3 - <<'PY'
 import importlib.metadata as metadata
 import pathlib
@@ -60,13 +62,19 @@ PY
     out="${OUT:-runs/gpu}"; mkdir -p "$out"
     nvidia-smi -L
     # every step runs whatever the one before did (a failed test must not hide a
-    # benchmark); the limits keep the whole within one 10-minute device call
+    # benchmark); the limits keep each mode within one 10-minute device call
     status=0
-    timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu \
-      --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" || status=1
-    timeout 120 python3 bench/memory.py --device cuda --out "$out/bench_memory_cuda" 2>&1 \
-      | tee "$out/bench-memory.log" || status=1
+    if [[ $1 == run ]]; then
+      timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu \
+        --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" || status=1
+      timeout 120 python3 bench/memory.py --device cuda --out "$out/bench_memory_cuda" 2>&1 \
+        | tee "$out/bench-memory.log" || status=1
+    else  # dim 1536 x 12 layers: 453 M parameters, 1.8 GB of fp32 weights handed over
+      timeout 480 python3 bench/engines.py --engines torch --dim 1536 --layers 12 \
+        --rounds 3 --out "$out/bench_engines_cuda/results.json" 2>&1 \
+        | tee "$out/bench-engines.log" || status=1
+    fi
     python3 tests/gpu/summary.py "$out" | tee "$out/summary.md"
     exit "$status" ;;
-  *) echo "usage: $0 fetch|run" >&2; exit 2 ;;
+  *) echo "usage: $0 fetch|run|bench" >&2; exit 2 ;;
 esac
