@@ -13,6 +13,7 @@ its leak warnings at every exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import runpy
 import sys
@@ -38,6 +39,7 @@ def run(module: str, gpu_slot: bool = False) -> None:
 
 
 def _exit_now() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # closed, or a broken pipe: exit all the same
+            stream.flush()
     os._exit(_exit_code)
