@@ -11,7 +11,7 @@
    `shared memory` (export to /dev/shm, then load: two copies; what replicas on other procs
    use), and `handoff` (the arbiter's whole staged handoff: stage sleeps, wakes and the copy).
    On a GPU (the engines place the models there) these are device copies: `device.sh bench`
-   runs it with 1.8 GB of weights.
+   runs it with 1.7 GB of weights.
 
     python bench/engines.py [--dim 512] [--layers 8] [--engines torch,vllm] [--rounds 5]
                             [--out runs/bench_engines/results.json]

@@ -6,7 +6,7 @@
 #   device: bash tests/gpu/device.sh run       # with .whl carried; writes $OUT/summary.md
 #           (every test by outcome, each benchmark's table), gpu-tests.log/.xml, bench-*.log
 #   device: bash tests/gpu/device.sh bench     # the longer benchmarks, in a call of their
-#           own: the trainer -> generator handoff of 1.8 GB of weights (bench/engines.py)
+#           own: the trainer -> generator handoff of 1.7 GB of weights (bench/engines.py)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # The device image has torch (2.11), pytest, pytest-timeout, psutil, nvidia-ml-py, tqdm,
@@ -69,7 +69,7 @@ PY
         --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" || status=1
       timeout 120 python3 bench/memory.py --device cuda --out "$out/bench_memory_cuda" 2>&1 \
         | tee "$out/bench-memory.log" || status=1
-    else  # dim 1536 x 12 layers: 453 M parameters, 1.8 GB of fp32 weights handed over
+    else  # dim 1536 x 12 layers: about 425 M parameters, 1.7 GB of fp32 weights
       timeout 480 python3 bench/engines.py --engines torch --dim 1536 --layers 12 \
         --rounds 3 --out "$out/bench_engines_cuda/results.json" 2>&1 \
         | tee "$out/bench-engines.log" || status=1
