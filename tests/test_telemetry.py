@@ -65,6 +65,8 @@ def test_process_rss_is_psutils_rss_and_a_forked_child_reads_its_own():
         os._exit(0 if filled else 1)
     os.waitpid(child, 0)
     before, after, psutils = map(int, os.read(read_r, 96).split())
+    os.close(read_r)
+    os.close(write_w)
     assert after - before > 48 * MIB and abs(after - psutils) < 4 * MIB
 
 
