@@ -34,7 +34,7 @@ from colocate.engines.tiny import write_tiny_model
 from examples.rl_loop import task
 from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.data import Row
-from examples.rl_loop.memory import ProcPeaks, resident_per_proc
+from examples.rl_loop.memory import ProcPeaks, devices_of, resident_per_proc
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.recovery import Recovery
 from examples.rl_loop.reference import spawn_reference
@@ -369,6 +369,7 @@ class Loop:
             raise ValueError(f"run.steps={self.cfg.run.steps}: the checkpoint {resumed[0]} "
                              f"is already at step {first_step}; give run.steps >= that")
         await self.start(None if resumed is None else resumed[0])
+        devices = {name: await devices_of(service) for name, service in self.services().items()}
         try:
             await self._train(first_step)
             async with phase(self.trainer):  # the last save finishes; the model goes out
@@ -388,6 +389,7 @@ class Loop:
             "switch_share": sum(s["switch_s"] + s["sync_s"] for s in steps)
             / sum(s["step_s"] for s in steps),
             "engine": self.cfg.run.engine,
+            "devices": devices,  # where each service ran: "cpu", or its GPUs' UUIDs
             "generator_respawns": self.resyncs,
             "resumed_at": first_step or None,
             "restarts": len(self.record.restarts),

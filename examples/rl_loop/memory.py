@@ -1,6 +1,7 @@
 """What the tenants hold, per proc: the readings the loop takes at each phase switch.
 
-`resident_per_proc` asks a service's healthy tenants what they hold on each proc.
+`resident_per_proc` asks a service's healthy tenants what they hold on each proc, and
+`devices_of` where they run.
 `ProcPeaks` keeps, per proc, the most each tenant held at a phase switch and the most all
 of them held together; its summary says whether the proc's peak stayed within
 max(trainer, generator) + the reference's weights (the readings are taken once each switch
@@ -32,6 +33,16 @@ async def resident_per_proc(service: Service) -> dict[int, int]:
         for _, info in infos.items():
             held[info.pid] = held.get(info.pid, 0) + info.resident_bytes
     return held
+
+
+async def devices_of(service: Service) -> list[str]:
+    """Where the service's healthy tenants run: "cpu", or their GPUs' UUIDs, sorted."""
+    devices = set()
+    for replica in service.replicas:
+        if replica.state is ReplicaState.HEALTHY:
+            infos = await replica.actors.describe.call()
+            devices.update(info.device for _, info in infos.items())
+    return sorted(devices)
 
 
 class ProcPeaks:

@@ -1,33 +1,41 @@
 #!/usr/bin/env bash
-# Run the GPU tests and the CUDA memory benchmark on a lent GPU machine (Python 3.12, its own
-# torch; Monarch and vLLM are not there). Two steps:
+# Run the GPU tests and the GPU benchmarks on a lent GPU machine (Python 3.12, its own torch;
+# Monarch and vLLM are not there). Two steps:
 #   here:   bash tests/gpu/device.sh fetch     # wheels + Monarch for Python 3.12 into .whl/
 #                                              # (git-ignored; carry: [".whl"])
-#   device: bash tests/gpu/device.sh run       # with .whl carried; writes $OUT/summary.md
-#           (every test by outcome, each benchmark's table), gpu-tests.log/.xml, bench-*.log
-#   device: bash tests/gpu/device.sh bench     # the longer benchmarks, in a call of their
-#           own: the trainer -> generator handoff of 1.7 GB of weights (bench/engines.py)
+#   device: bash tests/gpu/device.sh run       # with .whl carried, in one 10-minute call:
+#           tests/gpu (the runtime through Monarch on the GPUs, the RL loop on one GPU, the
+#           memory layer), then the RL loop at ~0.5 B parameters (its switch share on a GPU),
+#           bench/memory.py --device cuda and the trainer -> generator handoff of 1.7 GB;
+#           writes $OUT/summary.md (every test by outcome, each benchmark's table),
+#           gpu-tests.log/.xml, bench-*.log, rl-loop-metrics.json
+#   device: bash tests/gpu/device.sh bench     # longer benchmarks, in a call of their own:
+#           the handoff of 1.7 GB with more rounds (bench/engines.py)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-# The device image has torch (2.11), pytest, pytest-timeout, psutil, nvidia-ml-py, tqdm,
-# matplotlib. tests/gpu and bench/memory.py also import torch_memory_saver and (the engines'
-# test) transformers, and the runtime's tests Monarch; no vLLM or pytest-asyncio. `fetch`
-# downloads the first two with their dependencies, and packs Monarch stripped and compressed
-# (tests/gpu/bundle.py) with the few small packages `import monarch.actor` loads; `run`
-# installs only the wheels whose distribution the image lacks, and unpacks Monarch.
-WHEELS=(torch-memory-saver==0.0.10 transformers==5.19.0)
+# The device image has torch (2.11), transformers (5.17), tensorboard, pytest,
+# pytest-timeout, pyyaml, psutil, nvidia-ml-py, tqdm, matplotlib (its package list:
+# ../.library/device/KINDS.md). The tests and benchmarks also import torch_memory_saver,
+# OmegaConf (the RL loop's config), pytest-asyncio (the runtime's async tests) and Monarch;
+# no vLLM. `fetch` downloads the first three with their dependencies and packs Monarch
+# stripped and compressed (tests/gpu/bundle.py) with the few small packages `import
+# monarch.actor` loads; `run` installs only the wheels whose distribution the image lacks,
+# and unpacks Monarch.
+WHEELS=(torch-memory-saver==0.0.10 omegaconf==2.4.0 pytest-asyncio==1.5.0)
 MONARCH=torchmonarch==0.7.0
 MONARCH_NEEDS=(cloudpickle pyre-extensions typing-inspect mypy-extensions tabulate wcwidth
                typing-extensions)
 LIMIT_MIB=64  # the device tool's carry limit, for the whole working tree
-# downloaded as dependencies but not carried: the image has them (torch's and matplotlib's
-# own dependencies), or they serve only Hub downloads (hf_xet; no network there)
-ON_DEVICE=(numpy tqdm filelock fsspec typing_extensions packaging hf_xet)
+# downloaded as dependencies but not carried: the image has them
+ON_DEVICE=(numpy tqdm filelock fsspec typing_extensions packaging hf_xet pyyaml pytest pluggy
+           iniconfig pygments cloudpickle pyre_extensions typing_inspect mypy_extensions
+           tabulate)
 case "${1:-}" in
   fetch)
     exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
     mkdir -p "$(dirname "$exclude")"
     grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
+    rm -rf .whl  # what an earlier fetch left would travel too
     python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 --platform any -d .whl "${WHEELS[@]}" \
@@ -65,15 +73,26 @@ PY
     # benchmark); the limits keep each mode within one 10-minute device call
     status=0
     if [[ $1 == run ]]; then
-      timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu \
+      timeout 270 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu \
         --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" || status=1
-      timeout 120 python3 bench/memory.py --device cuda --out "$out/bench_memory_cuda" 2>&1 \
+      # the RL loop with a random Llama of ~0.5 B parameters (2 GB of fp32 weights), its
+      # switch share on a GPU: metrics.json's summary and per-step switch_s / sync_s
+      rl=/tmp/rl_loop_cuda
+      timeout 130 python3 -m examples.rl_loop run.steps=8 run.eval_every=8 run.save_every=0 \
+        model.hidden_size=1536 model.layers=20 model.heads=12 model.kv_heads=2 \
+        model.intermediate_size=4096 run.out="$rl" 2>&1 | tee "$out/bench-rl-loop.log" \
+        || status=1
+      cp "$rl/metrics.json" "$out/rl-loop-metrics.json" 2>/dev/null || status=1
+      timeout 60 python3 bench/memory.py --device cuda --out /tmp/bench_memory_cuda 2>&1 \
         | tee "$out/bench-memory.log" || status=1
-    else  # dim 1536 x 12 layers: about 425 M parameters, 1.7 GB of fp32 weights
-      timeout 480 python3 bench/engines.py --engines torch --dim 1536 --layers 12 \
-        --rounds 3 --out "$out/bench_engines_cuda/results.json" 2>&1 \
-        | tee "$out/bench-engines.log" || status=1
+      rounds=2 limit=90
+    else
+      rounds=5 limit=480
     fi
+    # dim 1536 x 12 layers: about 425 M parameters, 1.7 GB of fp32 weights
+    timeout "$limit" python3 bench/engines.py --engines torch --dim 1536 --layers 12 \
+      --rounds "$rounds" --out /tmp/bench_engines_cuda/results.json 2>&1 \
+      | tee "$out/bench-engines.log" || status=1
     python3 tests/gpu/summary.py "$out" | tee "$out/summary.md"
     exit "$status" ;;
   *) echo "usage: $0 fetch|run|bench" >&2; exit 2 ;;

@@ -54,6 +54,22 @@ def _greedy_reference(net: torch.nn.Module, prompt: list[int]) -> list[int]:
     return tokens[len(prompt):]
 
 
+def segment_bytes(prefix: str) -> int:
+    """The bytes of the caching-allocator segments in torch_memory_saver's memory pools of
+    the tags under `prefix`: what a pause unmaps (whole segments, not only the storages in
+    them); the tags' live bytes where torch does not report its pools (preload mode)."""
+    from torch_memory_saver import torch_memory_saver
+
+    from colocate.memory.cuda import _pool_bytes
+
+    total = 0
+    for tag in memory.tags():
+        if tag.startswith(prefix + "/"):
+            pooled = _pool_bytes(torch_memory_saver, tag)
+            total += memory.tagged_bytes(tag) if pooled is None else pooled
+    return total
+
+
 def turns_with_handoff(rounds: int, keep_weights: bool) -> dict:
     async def run():
         trainer = PolicyTrainer(_model(0), prefix="trainer", device="cuda")
@@ -76,6 +92,8 @@ def turns_with_handoff(rounds: int, keep_weights: bool) -> dict:
             memory.release_cached()
             trainer_awake = _used()
             tagged = trainer.tenancy.describe().tagged_bytes
+            segments = segment_bytes("trainer") - segment_bytes("generator")
+            cached = torch.cuda.memory_reserved()
             await arbiter.handoff("trainer", "generator")
             generator_awake = _used()
             tokens = [c.tokens for c in gen.generate(PROMPTS, GREEDY)]
@@ -84,8 +102,11 @@ def turns_with_handoff(rounds: int, keep_weights: bool) -> dict:
                 "synced": digest(gen.weights().tensors()) == trained,
                 "greedy_equal": tokens == reference,
                 "released": trainer_awake - generator_awake,
-                "expected": tagged - gen.tenancy.describe().tagged_bytes})
+                "expected": tagged - gen.tenancy.describe().tagged_bytes,
+                "segments": segments,
+                "cached_before": cached, "cached_after": torch.cuda.memory_reserved()})
         out["trainer_tagged"] = trainer.tenancy.describe().tagged_bytes
+        out["trainer_segments"] = segment_bytes("trainer")
         return out
 
     return asyncio.run(run())
@@ -98,5 +119,7 @@ def test_trainer_and_generator_take_turns_with_weight_sync(on_each_gpu, keep_wei
         for row in out["rounds"]:
             assert row["status"] == {"trainer": [], "generator": ["weights"]}
             assert row["synced"] and row["greedy_equal"], row
-            # the trainer's stages left the GPU; the generator's came back (by NVML)
-            assert abs(row["released"] - row["expected"]) < 0.05 * out["trainer_tagged"], row
+            # the trainer's stages left the GPU; the generator's came back (by NVML). A pause
+            # unmaps whole allocator segments, so the bytes are the segments' (the first GPU
+            # run released 86 MB, 6%, more than the storages held: `expected`)
+            assert abs(row["released"] - row["segments"]) < 0.02 * out["trainer_segments"], row

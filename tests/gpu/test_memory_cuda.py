@@ -250,9 +250,9 @@ def test_memory_off_the_current_device_is_refused_and_on_it_is_tagged(gpus, isol
 
 
 def test_slot_procs_get_their_gpu_by_uuid(gpus):
-    from colocate.resources.hosts import GPU_SLOT_ENV, nvml_gpus, visible_gpus
+    from colocate.resources.gpus import GPU_SLOT_ENV, nvml_gpus, visible_gpus
 
-    probe = ("from colocate.resources.hosts import run_on_slot_gpu; "
+    probe = ("from colocate.resources.gpus import run_on_slot_gpu; "
              "run_on_slot_gpu('tests.gpu.slot_probe')")
     inherited = {"CUDA_VISIBLE_DEVICES": ",".join(reversed(gpus))}  # a runner's own list
     expected = visible_gpus(inherited, nvml_gpus())
