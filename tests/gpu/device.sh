@@ -73,7 +73,7 @@ PY
     # benchmark); the limits keep each mode within one 10-minute device call
     status=0
     if [[ $1 == run ]]; then
-      timeout 270 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu \
+      timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu \
         --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" || status=1
       # the RL loop with a random Llama of ~0.5 B parameters (2 GB of fp32 weights), its
       # switch share on a GPU: metrics.json's summary and per-step switch_s / sync_s
@@ -85,7 +85,7 @@ PY
       cp "$rl/metrics.json" "$out/rl-loop-metrics.json" 2>/dev/null || status=1
       timeout 60 python3 bench/memory.py --device cuda --out /tmp/bench_memory_cuda 2>&1 \
         | tee "$out/bench-memory.log" || status=1
-      rounds=2 limit=90
+      rounds=2 limit=75
     else
       rounds=5 limit=480
     fi
