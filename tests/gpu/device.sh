@@ -23,7 +23,7 @@ cd "$(dirname "$0")/../.."
 # and unpacks Monarch.
 WHEELS=(torch-memory-saver==0.0.10 omegaconf==2.4.0 pytest-asyncio==1.5.0)
 MONARCH=torchmonarch==0.7.0
-MONARCH_NEEDS=(cloudpickle pyre-extensions typing-inspect mypy-extensions tabulate wcwidth
+MONARCH_NEEDS=(cloudpickle pyre-extensions typing-inspect mypy-extensions tabulate wcwidth opentelemetry-api
                typing-extensions)
 LIMIT_MIB=64  # the device tool's carry limit, for the whole working tree
 # downloaded as dependencies but not carried: the image has them
