@@ -113,6 +113,8 @@ def _start_processes(n: int, timeout_s: float, env: dict[str, str] | None = None
 
 
 def _is_monarch_job(obj: object) -> bool:
+    if isinstance(obj, str):  # a scheduler's name: "local" needs no monarch.job, which
+        return False  # loads Monarch's web dashboard and with it flask
     from monarch.job import JobTrait
 
     if isinstance(obj, JobTrait):

@@ -23,7 +23,7 @@ import zipfile
 from pathlib import Path
 
 PACKAGES = ("monarch", "monarch_supervisor")  # what `import monarch.actor` and a proc need
-LEFT_OUT = ("monarch/monarch_dashboard",)  # the web dashboard: not imported by actors
+LEFT_OUT = ("monarch/monarch_dashboard",)  # the web dashboard: only monarch.job loads it
 
 
 def _is_kept(name: str) -> bool:
