@@ -407,3 +407,19 @@ def test_a_generator_that_keeps_no_weights_refuses_until_synced(isolated, model_
     assert "discarded" in out["generate"] and "sync weights" in out["generate"]
     assert "discarded" in out["checksum"]
     assert out["after"]  # the handoff's copy made it whole again
+
+
+def test_a_batch_moves_to_the_engines_device_whole_and_the_rest_stays():
+    from collections import namedtuple
+
+    from colocate.engines.batches import to_device
+
+    Pair = namedtuple("Pair", "ids mask")
+    batch = {"pair": Pair(torch.ones(2), torch.zeros(2)), "rows": [torch.ones(1), 3],
+             "shape": (torch.ones(3), "name"), "seed": 7}
+    moved = to_device(batch, "meta")
+    assert isinstance(moved["pair"], Pair) and isinstance(moved["shape"], tuple)
+    tensors = [moved["pair"].ids, moved["pair"].mask, moved["rows"][0], moved["shape"][0]]
+    assert all(t.device.type == "meta" for t in tensors)
+    assert (moved["rows"][1], moved["shape"][1], moved["seed"]) == (3, "name", 7)
+    assert batch["pair"].ids.device.type == "cpu"  # the caller's batch is left as it was

@@ -18,6 +18,7 @@
   `python -m colocate.engines.export CHECKPOINT_DIR OUT_DIR`).
 - `reference`: `ReferencePolicy`, the frozen starting weights (GRPO's KL reference), a
   tenant that keeps only its weights.
+- `batches`: a batch's tensors to the engine's device, and results back to CPU.
 - `parallel`: joining a replica's torch.distributed group, FSDP2 sharding.
 - `actors`: `TrainerActor`, `GeneratorActor` and `ReferenceActor`, the engines as Monarch
   tenants.

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from colocate.arbiter.tenant import TaggedTenant
+from colocate.engines.batches import to_device
 from colocate.engines.parallel import check_layout, distributed_env, join_group, shard
 from colocate.engines.weights import digest
 
@@ -39,6 +40,7 @@ class ReferencePolicy:
         check_layout(parallel, mixed_precision)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tenancy = TaggedTenant({s: f"{prefix}/{s}" for s in STAGES}, backup=STAGES)
+        self.device = device
         self.model = model.to(device).eval().requires_grad_(False)
         self.parallel = parallel if distributed_env() else "none"
         if self.parallel != "none":
@@ -48,10 +50,11 @@ class ReferencePolicy:
         self.tenancy.adopt(self.model, "weights")
 
     def forward(self, fn: ForwardFn, batch: Any) -> Any:
-        """`fn(model, batch)` under `torch.no_grad()`: the model must be awake."""
+        """`fn(model, batch)` under `torch.no_grad()`, with the batch's tensors on the
+        model's device and the result's on CPU: the model must be awake."""
         self.tenancy.ensure_awake()
         with torch.no_grad():
-            return fn(self.model, batch)
+            return to_device(fn(self.model, to_device(batch, self.device)), "cpu")
 
     def checksum(self) -> str:
         """A digest of the weights this rank keeps (its shard under FSDP): equal before

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from colocate.arbiter.tenant import TaggedTenant
+from colocate.engines.batches import to_device
 from colocate.engines.checkpoint import Checkpointer
 from colocate.engines.fsdp_gather import BucketGather
 from colocate.engines.parallel import check_layout, distributed_env, join_group, shard
@@ -89,10 +90,11 @@ class PolicyTrainer:
 
     def step(self, loss_fn: LossFn, batch: Any) -> dict[str, float]:
         """One optimizer step on `loss_fn(module, batch)` -> (loss, metrics); returns the
-        metrics with "loss" and "grad_norm" added. Data-parallel ranks average gradients."""
+        metrics with "loss" and "grad_norm" added. The batch's tensors are moved to the
+        trainer's device first. Data-parallel ranks average gradients."""
         self.tenancy.ensure_awake()
         self.optimizer.zero_grad(set_to_none=False)
-        loss, metrics = loss_fn(self.module, batch)
+        loss, metrics = loss_fn(self.module, to_device(batch, self.device))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               self.max_grad_norm or float("inf"))
