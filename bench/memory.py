@@ -116,6 +116,8 @@ def _check(tensor: torch.Tensor, reference: torch.Tensor, what: str) -> None:
 def _cycle(tag: str, nbytes: int, read: Callable[[], int], cuda: bool, samples: Samples,
            prefix: str = "") -> None:
     """One timed pause/resume of `tag`, with the memory `read()` says the pause released."""
+    if cuda:  # the pause empties the allocator's cache too (`release_cached`): only the
+        torch.cuda.empty_cache()  # tag's bytes count (the H200 run read 2.0 without this)
     before = read()
     samples[f"{prefix}pause_s"].append(_timed(lambda: memory.pause(tag), cuda))
     samples[f"{prefix}released"].append((before - read()) / nbytes)

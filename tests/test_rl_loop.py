@@ -30,6 +30,7 @@ async def test_grpo_beats_the_untrained_policy_and_writes_plots(tmp_path):
                                  f"run.out={tmp_path}"])
     summary = await Loop(cfg).run()
     assert summary["final_eval_reward"] >= summary["untrained_eval_reward"] + MARGIN
+    assert summary["devices"] == {"trainer": ["cpu"], "generator": ["cpu"]}  # no GPU here
     for name in ("reward.png", "memory.png", "metrics.json"):
         assert (tmp_path / name).stat().st_size > 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
