@@ -75,7 +75,7 @@ PY
     if [[ $1 == run ]]; then
       # the runtime's tests first (the memory layer's passed on an H100 and an H200); at
       # the limit, SIGINT: pytest still writes its XML and summary for what ran
-      timeout -s INT -k 20 260 python3 -m pytest -v -p no:cacheprovider -m gpu \
+      timeout -s INT -k 10 320 python3 -m pytest -v -p no:cacheprovider -m gpu \
         tests/gpu/test_runtime_cuda.py tests/gpu/test_rl_loop_cuda.py \
         $(ls tests/gpu/test_*.py | grep -v -e test_runtime_cuda -e test_rl_loop_cuda) \
         --durations=0 --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" \
@@ -83,14 +83,14 @@ PY
       # the RL loop with a random Llama of ~0.5 B parameters (2 GB of fp32 weights), its
       # switch share on a GPU: metrics.json's summary and per-step switch_s / sync_s
       rl=/tmp/rl_loop_cuda
-      timeout 130 python3 -m examples.rl_loop run.steps=8 run.eval_every=8 run.save_every=0 \
+      timeout 110 python3 -m examples.rl_loop run.steps=8 run.eval_every=8 run.save_every=0 \
         model.hidden_size=1536 model.layers=20 model.heads=12 model.kv_heads=2 \
         model.intermediate_size=4096 run.out="$rl" 2>&1 | tee "$out/bench-rl-loop.log" \
         || status=1
       cp "$rl/metrics.json" "$out/rl-loop-metrics.json" 2>/dev/null || status=1
-      timeout 60 python3 bench/memory.py --device cuda --out /tmp/bench_memory_cuda 2>&1 \
+      timeout 45 python3 bench/memory.py --device cuda --out /tmp/bench_memory_cuda 2>&1 \
         | tee "$out/bench-memory.log" || status=1
-      rounds=2 limit=75
+      rounds=2 limit=60
     else
       rounds=5 limit=480
     fi
