@@ -15,9 +15,11 @@ CPU (the mmap arena, `colocate.memory.arena`):
     faults are counted as in our resume (raw read).
   - backup=False on another tag: pause (`MADV_DONTNEED`) and resume (fault in zero pages).
 CUDA (torch_memory_saver, when torch sees a GPU): the same with a CUDA tensor; backup=True
-  copies to pinned host memory. Released fraction uses NVML's used bytes on the device. Raw
-  write = device->host `copy_` into a pinned tensor, raw read = host->device, memcpy =
-  device->device; every timing is bracketed by `torch.cuda.synchronize()`.
+  copies the tag's storages to a pinned host buffer (`colocate.memory.pinned`) before
+  torch_memory_saver unmaps them, and back after the resume. Released fraction uses
+  NVML's used bytes on the device. Raw write = device->host `copy_` into a pinned tensor,
+  raw read = host->device, memcpy = device->device; every timing is bracketed by
+  `torch.cuda.synchronize()`.
 
 Targets (PASS/FAIL per row): released fraction >= 0.99; backup pause and resume bandwidth
 >= 0.8x the raw write and raw read bandwidth; discard pause <= 50 ms per GiB (CPU only).

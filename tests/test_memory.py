@@ -133,13 +133,13 @@ def storage_walks_scenario() -> dict:
     from colocate.memory import registry
 
     walks: list[str] = []
-    walk = registry.Tag.nbytes
+    walk = registry.Tag.live_storages
 
-    def counted(self: registry.Tag, device_type: str | None = None) -> int:
+    def counted(self: registry.Tag, device_type: str | None = None) -> list:
         walks.append(self.name)
         return walk(self, device_type)
 
-    registry.Tag.nbytes = counted  # type: ignore[method-assign]
+    registry.Tag.live_storages = counted  # type: ignore[method-assign]
     held = _filled(MiB, seed=7)
     memory.adopt(held, "walked", backup=True)
     out = {"resident": memory.resident_bytes("walked")}
@@ -501,12 +501,17 @@ class _Saver:
     def resume(self, tag):
         self.resumed.append(tag)
 
+    def pause(self, tag):
+        self.resumed.remove(tag)
+
 
 def _cuda_backend(saver, free_bytes):
     from colocate.memory.cuda import CudaBackend
+    from colocate.memory.pinned import PinnedBackup
 
     backend = object.__new__(CudaBackend)  # no CUDA here: only the resume decision runs
     backend.saver, backend.free_bytes = saver, lambda device: free_bytes
+    backend.backup = PinnedBackup(pin=False)
     return backend
 
 
@@ -612,3 +617,58 @@ def test_pools_kept_alive_at_exit_are_never_finalized(tmp_path):
             for how in ("keep", "plain")}
     assert runs["plain"].stdout.strip() == "finalized"  # what happens to TMS's pools today
     assert runs["keep"].returncode == 0 and runs["keep"].stdout == "", runs["keep"]
+
+
+def test_a_pinned_backup_restores_every_storage_and_reuses_its_buffer():
+    from colocate.memory.pinned import PinnedBackup
+
+    backup = PinnedBackup(pin=False)  # the CUDA backend's; CPU storages stand in here
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g)
+               for n in (3, 4096, 1 << 20)]
+    wide = torch.randn(1000, generator=g, dtype=torch.float64)
+    view = wide[10:20]  # a view: its storage is the whole of `wide`'s, saved once
+    storages = [t.untyped_storage() for t in (*tensors, wide)]
+    expected = [t.clone() for t in (*tensors, wide)]
+    backup.save("w", storages)
+    buffer = backup.buffers["w"]
+    assert buffer.numel() == sum(s.nbytes() for s in storages)
+    for t in (*tensors, wide):
+        t.zero_()  # what an unmapped and mapped-again allocation may hold
+    backup.restore("w")
+    assert all(torch.equal(t, e) for t, e in zip((*tensors, wide), expected, strict=True))
+    assert torch.equal(view, expected[-1][10:20])
+    assert "w" not in backup.saved
+    backup.restore("w")  # nothing saved: nothing to do
+    backup.save("w", storages[:2])  # smaller: the same buffer
+    assert backup.buffers["w"].data_ptr() == buffer.data_ptr()
+    bigger = torch.ones(buffer.numel() + 1, dtype=torch.uint8)
+    backup.save("w", [bigger.untyped_storage()])  # larger: a new one
+    assert backup.buffers["w"].numel() == bigger.numel()
+    backup.drop("w")  # a pause that did not happen: nothing is restored
+    bigger.zero_()
+    backup.restore("w")
+    assert int(bigger.sum()) == 0
+
+
+def test_a_failed_copy_back_leaves_the_tag_paused_with_its_backup_for_a_retry(monkeypatch):
+    from colocate.memory.cuda import RESUME_HEADROOM_BYTES
+    from colocate.memory.pinned import PinnedBackup
+
+    saver = _Saver(None)
+    backend = _cuda_backend(saver, 64 * MiB + RESUME_HEADROOM_BYTES)
+    weights = torch.arange(1000, dtype=torch.float32)
+    backend.backup.save("w", [weights.untyped_storage()])  # as a pause did
+    weights.zero_()
+    restore = PinnedBackup.restore
+
+    def fails(self, tag):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(PinnedBackup, "restore", fails)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        backend.resume("w", 4000, 0)
+    assert saver.resumed == [] and "w" in backend.backup.saved  # paused again, still saved
+    monkeypatch.setattr(PinnedBackup, "restore", restore)
+    backend.resume("w", 4000, 0)
+    assert saver.resumed == ["w"] and torch.equal(weights, torch.arange(1000.0))

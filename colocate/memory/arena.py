@@ -179,7 +179,9 @@ class ArenaBackend:
     def adopt(self, tag: str, held: list[Held], backup: bool) -> list[torch.UntypedStorage]:
         return self._arena(tag).adopt(held)
 
-    def pause(self, tag: str, backup: bool, device: int | None = None) -> None:
+    def pause(self, tag: str, backup: bool, device: int | None = None,
+              storages: list[torch.UntypedStorage] | None = None) -> None:
+        """The arena knows its tag's chunks: `storages` are not needed here."""
         self._arena(tag).pause(backup)
 
     def resume(self, tag: str, nbytes: int = 0, device: int | None = None) -> None:

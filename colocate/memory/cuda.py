@@ -12,7 +12,9 @@ really resolves to the hook.
 torch_memory_saver calls exit(1) on a bad transition, on an out-of-memory resume and when
 it frees memory outside a region. The registry checks every transition first; this
 module checks free device memory before a resume, keeps the memory pools alive at exit,
-and warms cuBLAS before the first region.
+and warms cuBLAS before the first region. A backed-up tag's bytes are kept in pinned host
+memory (`pinned.PinnedBackup`), not by torch_memory_saver's own CPU backup (0.06x of a
+pinned copy on an H200).
 
 A tag's CUDA memory lives on the device that was current when it got it: torch_memory_saver
 tags only the current device's allocations (in torch mode its memory pool is per device),
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 
 from colocate.memory.errors import CudaSetupError, ResumeOutOfMemoryError
+from colocate.memory.pinned import PinnedBackup
 from colocate.memory.repoint import Held, move
 
 HOOK_MODE_ENV = "COLOCATE_TMS_HOOK_MODE"
@@ -237,9 +240,12 @@ class CudaBackend:
         warm_libraries(torch.device("cuda", torch.cuda.current_device()))
         keep_alive_at_exit(lambda: _saver_pools(self.saver))
         self.free_bytes: Callable[[int], int] = device_free_bytes
+        self.backup = PinnedBackup()
 
     def region(self, tag: str, backup: bool) -> AbstractContextManager[None]:
-        return self.saver.region(tag=tag, enable_cpu_backup=backup)
+        """torch_memory_saver's region, without its CPU backup: a backed-up tag's bytes go
+        to pinned memory at the pause (`PinnedBackup`), 10-20x faster."""
+        return self.saver.region(tag=tag, enable_cpu_backup=False)
 
     def claim(self, tag: str, storages: list[torch.UntypedStorage],
               backup: bool) -> list[torch.UntypedStorage]:
@@ -258,17 +264,33 @@ class CudaBackend:
         torch.cuda.empty_cache()
         return moved
 
-    def pause(self, tag: str, backup: bool, device: int) -> None:
+    def pause(self, tag: str, backup: bool, device: int,
+              storages: list[torch.UntypedStorage]) -> None:
+        """With `backup`, the live storages' bytes go to pinned memory first; then
+        torch_memory_saver unmaps the tag's memory."""
         torch.cuda.synchronize()
-        self.saver.pause(tag)
+        if backup:
+            self.backup.save(tag, storages)
+        try:
+            self.saver.pause(tag)
+        except BaseException:
+            self.backup.drop(tag)
+            raise
 
     def resume(self, tag: str, nbytes: int, device: int) -> None:
         """Resume after checking that the tag fits on the device: its live bytes, or its
         memory pools' segments when torch reports them (whole allocations, with the pool
-        blocks not in use, which torch_memory_saver maps back too)."""
+        blocks not in use, which torch_memory_saver maps back too); then the backed-up
+        bytes go back. Should that copy fail, the tag is paused again, so the resume can
+        be retried."""
         need = max(nbytes, _pool_bytes(self.saver, tag) or 0)
         check_resume_fits(tag, need, self.free_bytes(device), device)
         self.saver.resume(tag)
+        try:
+            self.backup.restore(tag)
+        except BaseException:
+            self.saver.pause(tag)
+            raise
 
 
 def _pool_bytes(saver: object, tag: str) -> int | None:

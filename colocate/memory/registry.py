@@ -49,7 +49,8 @@ class Backend(Protocol):
               backup: bool) -> list[torch.UntypedStorage]: ...
     def adopt(self, tag: str, held: list[Held],
               backup: bool) -> list[torch.UntypedStorage]: ...
-    def pause(self, tag: str, backup: bool, device: int | None) -> None: ...
+    def pause(self, tag: str, backup: bool, device: int | None,
+              storages: list[torch.UntypedStorage]) -> None: ...
     def resume(self, tag: str, nbytes: int, device: int | None) -> None: ...
 
 
@@ -273,9 +274,11 @@ class TagRegistry:
             held = 0
             try:
                 for device_type in sorted(record.devices):
-                    nbytes = record.nbytes(device_type)
+                    storages = record.live_storages(device_type)
+                    nbytes = sum(s.nbytes() for s in storages)
                     self._measured("pause", record, device_type, nbytes,
-                                   lambda b: b.pause(tag, record.backup, record.cuda_index))
+                                   lambda b, s=storages: b.pause(tag, record.backup,
+                                                                 record.cuda_index, s))
                     done.append(device_type)
                     held += nbytes
             except BaseException as err:
