@@ -32,12 +32,10 @@ class PinnedBackup:
         """Copy the storages' bytes into the tag's buffer, and hold the storages until
         `restore` (none is freed while its tag is paused)."""
         total = sum(s.nbytes() for s in storages)
-        buffer = self.buffers.get(tag)
-        if buffer is None or buffer.numel() < total:
+        if tag not in self.buffers or self.buffers[tag].numel() < total:
             self.buffers.pop(tag, None)  # the old buffer goes before the new one is pinned
-            buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self.pin)
-            self.buffers[tag] = buffer
-        offset = 0
+            self.buffers[tag] = torch.empty(total, dtype=torch.uint8, pin_memory=self.pin)
+        buffer, offset = self.buffers[tag], 0
         for storage in storages:
             size = storage.nbytes()
             buffer[offset:offset + size].copy_(_as_bytes(storage), non_blocking=True)
