@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from colocate.arbiter import TenantInfo
 from services import Service
 from services.replica import ReplicaState
 
@@ -22,27 +23,28 @@ async def resident(service: Service) -> int:
     return sum((await resident_per_proc(service)).values())
 
 
-async def resident_per_proc(service: Service) -> dict[int, int]:
-    """Bytes the service's healthy tenants hold now, per proc (pid) (asked directly, since
-    a sleeping replica takes no routed calls)."""
-    held: dict[int, int] = {}
+async def tenant_infos(service: Service) -> list[TenantInfo]:
+    """What each of the service's healthy tenants says of itself on each of its procs
+    (asked directly, since a sleeping replica takes no routed calls; a replica that died
+    took what it held with its procs)."""
+    infos: list[TenantInfo] = []
     for replica in service.replicas:
-        if replica.state is not ReplicaState.HEALTHY:
-            continue  # died: what it held went with its procs
-        infos = await replica.actors.describe.call()
-        for _, info in infos.items():
-            held[info.pid] = held.get(info.pid, 0) + info.resident_bytes
+        if replica.state is ReplicaState.HEALTHY:
+            infos += [info for _, info in (await replica.actors.describe.call()).items()]
+    return infos
+
+
+async def resident_per_proc(service: Service) -> dict[int, int]:
+    """Bytes the service's healthy tenants hold now, per proc (pid)."""
+    held: dict[int, int] = {}
+    for info in await tenant_infos(service):
+        held[info.pid] = held.get(info.pid, 0) + info.resident_bytes
     return held
 
 
 async def devices_of(service: Service) -> list[str]:
     """Where the service's healthy tenants run: "cpu", or their GPUs' UUIDs, sorted."""
-    devices = set()
-    for replica in service.replicas:
-        if replica.state is ReplicaState.HEALTHY:
-            infos = await replica.actors.describe.call()
-            devices.update(info.device for _, info in infos.items())
-    return sorted(devices)
+    return sorted({info.device for info in await tenant_infos(service)})
 
 
 class ProcPeaks:
