@@ -4,6 +4,7 @@ pytest wrote nothing says so."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,11 @@ def test_the_summary_names_each_test_by_outcome_and_keeps_each_benchmark_table(t
                     str(tmp_path / "test_some.py"), f"--junitxml={out / 'gpu-tests.xml'}"],
                    cwd=tmp_path, capture_output=True)
     (out / "bench-memory.log").write_text("warming up\n| pause GB/s | 12.5 |\n")
+    (out / "rl-loop-metrics.json").write_text(json.dumps({
+        "summary": {"switch_share": 0.04, "devices": {"trainer": ["GPU-0"]}},
+        "steps": [{"step": -1, "eval_reward": 0.1},
+                  {"step": 0, "switch_s": 0.01, "sync_s": 0.02, "step_s": 0.5},
+                  {"step": 1, "switch_s": 0.03, "sync_s": 0.02, "step_s": 0.7}]}))
     text = subprocess.run([sys.executable, str(SUMMARY), str(out)], capture_output=True,
                           text=True, check=True).stdout
     assert "tests: 1 passed, 1 failed, 1 skipped" in text
@@ -31,9 +37,13 @@ def test_the_summary_names_each_test_by_outcome_and_keeps_each_benchmark_table(t
     assert "test_ok" in sections["passed"] and "test_broken" in sections["failed"]
     assert "test_needs_gpu" in sections["skipped"]
     assert "| pause GB/s | 12.5 |" in sections["bench-memory"]
+    rl = sections["RL loop on the GPU"]
+    assert "- switch_share: 0.04" in rl and "GPU-0" in rl
+    assert "- mean switch_s over 2 steps: 0.0200" in rl  # the eval row (-1) is not a step
 
 
 def test_a_run_without_test_results_says_so(tmp_path):
     text = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path)], capture_output=True,
                           text=True, check=True).stdout
     assert "no gpu-tests.xml (pytest did not get to write it)" in text
+    assert "no rl-loop-metrics.json (the run did not get to write it)" in text

@@ -3,17 +3,22 @@ outcome, then each benchmark's printed table.
 
     python tests/gpu/summary.py OUT_DIR > OUT_DIR/summary.md
 
-Reads OUT_DIR/gpu-tests.xml (pytest's JUnit XML) and OUT_DIR/bench-*.log (what each
-benchmark printed); a missing file is named in the summary, never skipped silently.
+Reads OUT_DIR/gpu-tests.xml (pytest's JUnit XML), OUT_DIR/bench-*.log (what each
+benchmark printed) and OUT_DIR/rl-loop-metrics.json (the RL loop's run on the GPU: its
+switch share, step time and devices); a missing file is named in the summary, never
+skipped silently.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 TAIL_LINES = 40  # of a benchmark's output: its table and verdicts
+RL_FIELDS = ("failed", "switch_share", "mean_step_s", "devices", "untrained_eval_reward",
+             "final_eval_reward")  # of the RL loop's summary, where it has them
 
 
 def test_outcomes(xml: Path) -> dict[str, list[str]]:
@@ -40,6 +45,20 @@ def summary(out: Path) -> str:
             lines += ["", f"## {outcome}", *(f"- {name}" for name in names)]
     else:
         lines.append(f"tests: no {xml.name} (pytest did not get to write it)")
+    metrics = out / "rl-loop-metrics.json"
+    lines += ["", "## RL loop on the GPU"]
+    if metrics.exists():
+        run = json.loads(metrics.read_text())
+        steps = [s for s in run.get("steps", []) if s.get("step", -1) >= 0]
+        lines += [f"- {key}: {run['summary'][key]}" for key in RL_FIELDS
+                  if key in run.get("summary", {})]
+        for key in ("switch_s", "sync_s", "step_s"):
+            values = [s[key] for s in steps if key in s]
+            if values:
+                lines.append(f"- mean {key} over {len(values)} steps: "
+                             f"{sum(values) / len(values):.4f}")
+    else:
+        lines.append(f"no {metrics.name} (the run did not get to write it)")
     for log in sorted(out.glob("bench-*.log")):
         tail = log.read_text(errors="replace").splitlines()[-TAIL_LINES:]
         lines += ["", f"## {log.stem}", "```", *tail, "```"]
