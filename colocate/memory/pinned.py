@@ -11,13 +11,11 @@ a process holds pinned host memory the size of each backed-up tag from its first
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
-
-def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A uint8 tensor over the whole of `storage`."""
-    view = torch.empty(0, dtype=torch.uint8, device=storage.device)
-    return view.set_(storage, 0, (storage.nbytes(),), (1,))
+from colocate.memory.repoint import as_bytes
 
 
 class PinnedBackup:
@@ -35,11 +33,8 @@ class PinnedBackup:
         if tag not in self.buffers or self.buffers[tag].numel() < total:
             self.buffers.pop(tag, None)  # the old buffer goes before the new one is pinned
             self.buffers[tag] = torch.empty(total, dtype=torch.uint8, pin_memory=self.pin)
-        buffer, offset = self.buffers[tag], 0
-        for storage in storages:
-            size = storage.nbytes()
-            buffer[offset:offset + size].copy_(_as_bytes(storage), non_blocking=True)
-            offset += size
+        for kept, held in _pairs(self.buffers[tag], storages):
+            kept.copy_(held, non_blocking=True)
         _wait(storages)
         self.saved[tag] = storages
 
@@ -50,17 +45,24 @@ class PinnedBackup:
         storages = self.saved.get(tag)
         if storages is None:
             return
-        buffer, offset = self.buffers[tag], 0
-        for storage in storages:
-            size = storage.nbytes()
-            _as_bytes(storage).copy_(buffer[offset:offset + size], non_blocking=True)
-            offset += size
+        for kept, held in _pairs(self.buffers[tag], storages):
+            held.copy_(kept, non_blocking=True)
         _wait(storages)
         del self.saved[tag]
 
     def drop(self, tag: str) -> None:
         """Forget the tag's saved storages (its pause did not happen); the buffer stays."""
         self.saved.pop(tag, None)
+
+
+def _pairs(buffer: torch.Tensor, storages: list[torch.UntypedStorage]
+           ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(the buffer's slice, the storage's bytes) for each storage, packed in order."""
+    offset = 0
+    for storage in storages:
+        size = storage.nbytes()
+        yield buffer[offset:offset + size], as_bytes(storage)
+        offset += size
 
 
 def _wait(storages: list[torch.UntypedStorage]) -> None:

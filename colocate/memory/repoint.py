@@ -86,13 +86,15 @@ def complete(held: list[Held], tag: str) -> None:
             )
 
 
+def as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of `storage`."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 def move(held: Held, target: torch.UntypedStorage) -> torch.UntypedStorage:
     """Copy `held`'s bytes into `target` (same size) and make its tensors use them; returns
     the storage that holds the memory now (the old one after a swap, `target` after set)."""
-    device = held.storage.device
-    source = torch.empty(0, dtype=torch.uint8, device=device).set_(held.storage)
-    torch.empty(0, dtype=torch.uint8, device=target.device).set_(target).copy_(source)
-    del source
+    as_bytes(target).copy_(as_bytes(held.storage))
     if mode() == "swap":
         held.storage._swap_data_ptr_(target)
         return held.storage
