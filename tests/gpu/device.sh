@@ -23,13 +23,13 @@ cd "$(dirname "$0")/../.."
 # and unpacks Monarch.
 WHEELS=(torch-memory-saver==0.0.10 omegaconf==2.4.0 pytest-asyncio==1.5.0)
 MONARCH=torchmonarch==0.7.0
-MONARCH_NEEDS=(cloudpickle pyre-extensions typing-inspect mypy-extensions tabulate wcwidth opentelemetry-api
-               typing-extensions)
+# what `import monarch.actor` loads beyond torch that the image lacks (it has cloudpickle,
+# pyre-extensions, typing-inspect, mypy-extensions, tabulate and typing-extensions)
+MONARCH_NEEDS=(opentelemetry-api wcwidth)
 LIMIT_MIB=64  # the device tool's carry limit, for the whole working tree
 # downloaded as dependencies but not carried: the image has them
 ON_DEVICE=(numpy tqdm filelock fsspec typing_extensions packaging hf_xet pyyaml pytest pluggy
-           iniconfig pygments cloudpickle pyre_extensions typing_inspect mypy_extensions
-           tabulate)
+           iniconfig pygments)
 case "${1:-}" in
   fetch)
     exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
