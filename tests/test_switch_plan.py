@@ -18,6 +18,7 @@ import torch
 from colocate import memory
 from colocate.arbiter import ArbiterConfig, SlotArbiter, SwitchError, TaggedTenant
 from colocate.arbiter.plan import Plan, PlanResult, run_here
+from colocate.arbiter.plan import clock as plan_clock
 
 MiB = 1 << 20
 
@@ -97,6 +98,7 @@ def one_message_scenario() -> dict:
         for tenant in made:
             await arbiter.register(0, ProcHandle(tenant.tenant, here, sent))
         out: dict[str, Any] = {"registered": arbiter.status()[0]}
+        clocked = (plan_clock.plans, plan_clock.seconds)
         sends = []
         for target in ("gen", "ref", "trainer", "gen"):
             sent.clear()
@@ -109,6 +111,7 @@ def one_message_scenario() -> dict:
         out["handoff"] = (dict(sent), copied, arbiter.status()[0])
         out["same_weights"] = bool(torch.equal(here["trainer"].weights, gen_weights))
         out["states"] = states("trainer", "gen", "ref")
+        out["clocked"] = (plan_clock.plans - clocked[0], plan_clock.seconds - clocked[1])
         return out
 
     return asyncio.run(run())
@@ -127,6 +130,8 @@ def test_a_switch_is_one_message_to_the_proc(isolated):
     assert out["same_weights"]
     assert out["states"] == {"trainer": ["active", "active"], "gen": ["paused", "paused"],
                              "ref": ["paused", "paused"]}
+    plans, seconds = out["clocked"]  # the proc's own clock of its plans (bench/rl_step.py)
+    assert plans == 5 and seconds > 0
 
 
 def fault_in_plan_scenario() -> dict:

@@ -1,8 +1,10 @@
 """Tests of colocate.telemetry: readings, the switch timeline, leak tracking."""
 
 import os
+import subprocess
 import sys
 import threading
+import time
 import warnings
 from dataclasses import asdict
 
@@ -18,6 +20,7 @@ from colocate.telemetry import (
     Timeline,
     leak_tracker,
     process_rss,
+    process_runs,
     read,
     read_cpu,
     read_gpu,
@@ -77,6 +80,28 @@ def test_process_rss_and_read_dispatch():
         assert isinstance(reading, MemoryReading) and reading.device == "cpu"
     with pytest.raises(ValueError, match="meta"):
         read("meta")
+
+
+def test_process_runs_tells_a_live_process_from_a_zombie_and_a_gone_one():
+    # a name with ") Z " in it: /proc/<pid>/stat is read after the comm's last ")"
+    named = subprocess.Popen([sys.executable, "-c", (
+        "import ctypes, time; ctypes.CDLL(None).prctl(15, b'x) Z 1 (', 0, 0, 0); "
+        "print(flush=True); time.sleep(60)")], stdout=subprocess.PIPE)
+    quick = subprocess.Popen(["true"])
+    try:
+        named.stdout.readline()  # renamed
+        deadline = time.monotonic() + 10
+        while readings._runs_by_psutil(quick.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until it has exited, unreaped: a zombie
+        assert process_runs(os.getpid()) and process_runs(named.pid)
+        assert not process_runs(quick.pid)  # a zombie holds no memory: it does not run
+        for pid in (os.getpid(), named.pid, quick.pid):  # the same answers as psutil's
+            assert process_runs(pid) == readings._runs_by_psutil(pid)
+    finally:
+        named.kill()
+        named.wait()
+        quick.wait()
+    assert not process_runs(quick.pid) and not process_runs(named.pid)  # reaped: gone
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and NVML")

@@ -104,20 +104,28 @@ PF_EXITING = 0x4  # Linux task flag: the process has begun to exit (its memory i
 
 def process_runs(pid: int) -> bool:
     """Whether process `pid` of this host still runs: not gone, not a zombie, and (where
-    /proc tells) not in its exit, when its memory already reads as released."""
+    /proc tells) not in its exit, when its memory already reads as released. On Linux one
+    read of /proc/<pid>/stat (~30 us; psutil's status() took ~115, and the arbiter asks
+    at every call it watches)."""
     try:
-        if psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-            return False
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()  # after comm, which may hold ")"
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self") and _runs_by_psutil(pid)
+    except (OSError, IndexError):  # it exists, but we may not look at it
+        return True
+    state, flags = fields[0], int(fields[6])  # fields 3 and 9 of proc(5)
+    return state not in (b"Z", b"X", b"x") and not flags & PF_EXITING
+
+
+def _runs_by_psutil(pid: int) -> bool:
+    """`process_runs` where there is no /proc (macOS): alive and not a zombie."""
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except psutil.NoSuchProcess:
         return False
     except psutil.Error:  # it exists, but we may not look at it
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            flags = int(stat.read().rsplit(b")", 1)[1].split()[6])  # field 9, after comm
-    except (OSError, ValueError, IndexError):  # no /proc here, or the process just went
-        return psutil.pid_exists(pid)
-    return not flags & PF_EXITING
 
 
 _handles: dict[str, Any] = {}  # bare device UUID -> NVML device handle
