@@ -23,10 +23,12 @@ configured) for `--steps` steps or `--minutes` minutes, whichever comes first, a
   end; /dev/shm entries on the machine and those the loop's processes map or hold open.
   Growth is judged on the processes alive at both readings: at most `--fd-slack` fds and
   `--thread-slack` threads per process, no new /dev/shm entry held by them.
-- Switch time: the loop's per-step `switch_s` and `sync_s`, the last `--window` steps
-  against the first `--window`: medians, and the 10th percentiles, which the check judges
-  (at most `--max-switch-ratio`): other jobs' load moves the median, while a switch that
-  costs more each step moves every percentile. `train_s` (the same computation each step,
+- Switch time: the loop's per-step `switch_ahead_s` (the trainer's wake, which the loop
+  runs while it scores: its own duration; `switch_s`, what the step waited for it, is shown
+  too) and `sync_s`, the last `--window` steps against the first `--window`: medians, and
+  the 10th percentiles, which the check judges for the wake (at most
+  `--max-switch-ratio`): other jobs' load moves the median, while a switch that costs more
+  each step moves every percentile. `train_s` (the same computation each step,
   no switch inside) is shown beside them as the control for a load that changed.
 
 Prints a table, writes `soak.json` (the figures, the RSS after each sleep per proc, tag
@@ -290,7 +292,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             if (index + 1) % POLL_STEPS == 0 or index + 1 == args.warmup + args.window:
                 await collect(index + 1)
             bar.update()
-            bar.set_postfix({"switch_ms": f"{1e3 * row['switch_s']:.1f}",
+            bar.set_postfix({"switch_ms": f"{1e3 * row['switch_ahead_s']:.1f}",
                              "sync_ms": f"{1e3 * row['sync_s']:.1f}",
                              "reward": f"{row['reward']:.2f}"}, refresh=False)
         bar.close()
@@ -325,7 +327,8 @@ def plot(series: dict[str, dict[str, Any]], rows: list[dict[str, Any]], path: Pa
             "sleep (last pause of the tag in each step)")
     top.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     steps = [r["step"] for r in rows]
-    bottom.plot(steps, [1e3 * r["switch_s"] for r in rows], lw=0.5, label="switch_s")
+    bottom.plot(steps, [1e3 * r["switch_ahead_s"] for r in rows], lw=0.5,
+                label="switch_ahead_s (the wake)")
     bottom.plot(steps, [1e3 * r["sync_s"] for r in rows], lw=0.5, label="sync_s")
     bottom.set(xlabel="step", ylabel="ms", yscale="log", title="switch and sync time per step")
     bottom.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
@@ -368,14 +371,14 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, 
     switch = {}
     # train_s is the control: the same computation every step, with no switch or Monarch
     # message inside it, so its ratio is what other jobs' load alone did to the step
-    for key in ("switch_s", "sync_s", "step_s", "train_s"):
+    for key in ("switch_ahead_s", "switch_s", "sync_s", "step_s", "train_s"):
         first, last = ([r[key] for r in part] for part in (rows[:window], rows[-window:]))
         switch[key] = {"first_ms": 1e3 * median(first), "last_ms": 1e3 * median(last),
                        "ratio": median(last) / median(first), "first_p10_ms": 1e3 * p10(first),
                        "last_p10_ms": 1e3 * p10(last), "p10_ratio": p10(last) / p10(first)}
     # judged on the 10th percentile: other jobs' load moves the median and the tail, while a
     # switch that costs more each step moves every percentile
-    switch_ok = switch["switch_s"]["p10_ratio"] <= args.max_switch_ratio
+    switch_ok = switch["switch_ahead_s"]["p10_ratio"] <= args.max_switch_ratio
     checks = {"rss_flat": all(r["ok"] for r in rss_rows), "no_residual_growth_warning":
               not caught, "fds_threads_shm": all(r["ok"] for r in proc_rows),
               "switch_time": switch_ok}

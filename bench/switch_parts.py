@@ -256,8 +256,9 @@ def report(data: dict[str, Any], window: int) -> None:
           f"{', '.join(f'{x:.2f}' for x in data['load_average_end'])}")
     print("\n| part, ms a step (wall; cpu: the thread's CPU time) | median, first | last | "
           "ratio | 10th percentile, first | last | ratio |\n|---|---:|---:|---:|---:|---:|---:|")
-    for key in ("switch_s", "sync_s", "step_s", "train_s"):
-        line(key, {i: r[key] for i, r in enumerate(rows)})
+    for key in ("switch_ahead_s", "switch_s", "sync_s", "step_s", "train_s"):
+        if key in rows[0]:  # switch_ahead_s: since the wake runs while the loop scores
+            line(key, {i: r[key] for i, r in enumerate(rows)})
     for key, calls in sorted(data["client"].items()):
         if calls and key != "gc":
             line(f"client {key}", per_step(calls))

@@ -16,6 +16,7 @@ import pytest
 from colocate.engines.tiny import write_tiny_model
 from examples.rl_loop.config import load_config
 from examples.rl_loop.loop import Loop
+from examples.rl_loop.sources import DigitTask
 from services.errors import ServiceUnavailableError
 
 pytestmark = pytest.mark.timeout(600)
@@ -25,16 +26,31 @@ pytestmark = pytest.mark.timeout(600)
 STEPS, MARGIN = 150, 0.3
 
 
-async def test_grpo_beats_the_untrained_policy_and_writes_plots(tmp_path):
+async def test_grpo_beats_the_untrained_policy_and_writes_plots(tmp_path, monkeypatch):
     cfg = load_config(overrides=[f"run.steps={STEPS}", f"run.eval_every={STEPS}",
                                  f"run.out={tmp_path}"])
-    summary = await Loop(cfg).run()
+    loop = Loop(cfg)
+    generator_awake_while_scoring = []
+    score = DigitTask.score
+
+    async def watched_score(self, where, *args):
+        if where.startswith("step"):  # the trainer's wake is under way by now (switch_ahead_s)
+            board = loop.rm.switchboard
+            generator_awake_while_scoring.append(
+                any(board.awake_now(r.tenant) for r in loop.generator.replicas))
+        return await score(self, where, *args)
+
+    monkeypatch.setattr(DigitTask, "score", watched_score)
+    summary = await loop.run()
+    assert generator_awake_while_scoring == [False] * STEPS
     assert summary["final_eval_reward"] >= summary["untrained_eval_reward"] + MARGIN
     assert summary["devices"] == {"trainer": ["cpu"], "generator": ["cpu"]}  # no GPU here
     for name in ("reward.png", "memory.png", "metrics.json"):
         assert (tmp_path / name).stat().st_size > 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert len([s for s in metrics["steps"] if s["step"] >= 0]) == STEPS
+    steps = [s for s in metrics["steps"] if s["step"] >= 0]
+    assert len(steps) == STEPS
+    assert all(s["switch_ahead_s"] > 0 for s in steps)
     held = {r["tenant"] for r in metrics["memory"] if r["bytes"] > 0}
     assert held == {"trainer", "generator"}  # both held memory, in turn
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

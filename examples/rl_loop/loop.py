@@ -4,7 +4,9 @@ Every step: the generator samples a group of completions per prompt (generator a
 rewards give group-relative advantages, the trainer takes a step (trainer awake), and the
 trainer's weights go to the generator by a staged handoff (the generator ends awake, so
 the next step's generation needs no switch). Every switch goes through the arbiters and
-is checked by measurement.
+is checked by measurement. The trainer's wake (the reference's, with `grpo.beta > 0`)
+starts as soon as generation ends and runs while the completions are scored: a step's
+`switch_s` is the time it waited for switches, `switch_ahead_s` that wake's own duration.
 
 A run is durable: every `run.save_every` steps (and at the end) the trainer saves its
 checkpoint while it is awake (staged in host memory, written in the background) and the
@@ -271,13 +273,24 @@ class Loop:
             tokens, completions = await self.generate(prompts, sampling,
                                                       cfg.grpo.group_size)
         generated = clock()
-        rows = [p for p in prompts for _ in range(cfg.grpo.group_size)]
-        texts = [self.decode(c.tokens) for c in completions]
-        result = await self.source.score(f"step {index}", rows, texts, completions)
-        batch, stats = scored_batch(tokens, completions, result, cfg.grpo, self.pad_id)
+        # the next tenant's wake needs nothing from the scores: it runs while they are
+        # computed, decoding and the batch on a worker thread so that this loop drives it
+        ahead = asyncio.ensure_future(self._switch_ahead(
+            self.trainer if self.reference is None else self.reference))
+        try:
+            rows = [p for p in prompts for _ in range(cfg.grpo.group_size)]
+            texts = await asyncio.to_thread(lambda: [self.decode(c.tokens)
+                                                     for c in completions])
+            result = await self.source.score(f"step {index}", rows, texts, completions)
+            batch, stats = await asyncio.to_thread(scored_batch, tokens, completions, result,
+                                                   cfg.grpo, self.pad_id)
+        except BaseException:
+            _drop(ahead)
+            raise
         scored = referenced = ref_woken = referencing = clock()
         if self.reference is not None:  # its turn: woken for the reference log-probs
-            async with phase(self.reference):
+            ahead_s = await ahead  # its error, if it failed, is raised here
+            async with phase(self.reference):  # awake already: no switch
                 ref_woken = clock()
                 await self._readings("reference")
                 referencing = clock()
@@ -285,7 +298,9 @@ class Loop:
                     ReferenceLogprobs(cfg.grpo.temperature), batch)
                 referenced = clock()
         async with self.training:
-            async with phase(self.trainer):
+            if self.reference is None:
+                ahead_s = await ahead  # its error, if it failed, is raised here
+            async with phase(self.trainer):  # no switch unless the reference took its turn
                 trainer_woken = clock()
                 await self._readings("train")
                 training = clock()
@@ -303,11 +318,20 @@ class Loop:
                "reference_s": referenced - referencing, "reference_switch_s": ref_woken - scored,
                "train_s": trained - training, "save_s": kept - trained,
                "switch_s": (woken - start) + (ref_woken - scored) + (trainer_woken - referenced),
+               "switch_ahead_s": ahead_s,
                "sync_s": synced - kept, "step_s": synced - start - readings,
                "readings_s": readings + (clock() - synced)}
         if (index + 1) % cfg.run.eval_every == 0 or index + 1 == cfg.run.steps:
             row["eval_reward"] = await self.evaluate(f"the evaluation after step {index}")
         return row
+
+    async def _switch_ahead(self, target: Service) -> float:
+        """Wake `target`, the step's next phase, while the completions are scored; returns
+        how long the switch took (the step waits only for what is left of it)."""
+        began = time.monotonic()
+        async with phase(target):  # it stays awake after: the step's own phase is free
+            pass
+        return time.monotonic() - began
 
     def _saves(self, done: int) -> bool:
         """Whether the loop keeps a checkpoint after `done` steps."""
@@ -431,3 +455,10 @@ class Loop:
                 self.postfix["eval"] = f"{row['eval_reward']:.2f}"
             self.bar.set_postfix(self.postfix, refresh=False)
         self.bar.close()
+
+
+def _drop(task: asyncio.Future) -> None:
+    """End a switch started ahead for a step that failed before it was needed (its error,
+    if any, is the step's failure's consequence: retrieved here, not logged)."""
+    task.cancel()
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())
