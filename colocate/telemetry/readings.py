@@ -110,11 +110,11 @@ def process_runs(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             fields = stat.read().rsplit(b")", 1)[1].split()  # after comm, which may hold ")"
-    except FileNotFoundError:
+        state, flags = fields[0], int(fields[6])  # fields 3 and 9 of proc(5)
+    except FileNotFoundError:  # gone, or no /proc on this system
         return not os.path.isdir("/proc/self") and _runs_by_psutil(pid)
-    except (OSError, IndexError):  # it exists, but we may not look at it
-        return True
-    state, flags = fields[0], int(fields[6])  # fields 3 and 9 of proc(5)
+    except (OSError, ValueError, IndexError):  # not ours to read, or going right now
+        return _runs_by_psutil(pid)
     return state not in (b"Z", b"X", b"x") and not flags & PF_EXITING
 
 
