@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     for parallel in step_parallels:
         mode_args = argparse.Namespace(
             steps=args.steps, warmup=args.warmup, interval_ms=args.interval_ms,
-            out=args.out.parent / parallel / "results.json",
+            idle_gap_ms=rl_step.IDLE_GAP_MS, out=args.out.parent / parallel / "results.json",
             overrides=[*DEFAULTS, *args.overrides, f"trainer.parallel={parallel}",
                        f"trainer.bucket_mb={args.bucket_mb}"])
         steps[parallel] = {}

@@ -83,6 +83,7 @@ from colocate.resources.procs import select  # noqa: E402
 MAX_RATIO = 0.65
 MAX_SWITCH_SHARE = 0.10
 MAX_OVER_FLOOR = 1.5  # where the floor itself is above the target (bench/switch.py's rule)
+IDLE_GAP_MS = 50.0  # the quiet before each timed round trip: a switch comes after compute
 MODES = {"colocated": True, "split": False}
 ROLES = ("trainer", "generator")
 TIMES = ("step_s", "generate_s", "score_s", "train_s", "switch_s", "switch_ahead_s", "sync_s")
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--interval-ms", type=float, default=5.0)
-    parser.add_argument("--idle-gap-ms", type=float, default=50.0)
+    parser.add_argument("--idle-gap-ms", type=float, default=IDLE_GAP_MS)
     parser.add_argument("--out", type=Path, default=Path("runs/bench_rl_step/results.json"))
     parser.add_argument("overrides", nargs="*", help="section.field=value for the loop's config")
     args = parser.parse_args(argv)
