@@ -1,12 +1,16 @@
-"""What the Monarch benchmarks share: the machine they ran on, the command, and a path the
-procs can import the benchmark's own actors from."""
+"""What the Monarch benchmarks share: the machine they ran on, the command, a path the
+procs can import the benchmark's own actors from, and timing a call."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import platform
 import shlex
+import statistics
 import sys
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,3 +30,21 @@ def announce() -> tuple[dict[str, Any], str]:
     print(f"machine: {info['platform']}, {info['cpus']} CPUs, torch {info['torch']}, "
           f"cuda {info['cuda']} | command: {command}")
     return info, command
+
+
+async def timed(fn: Callable[[], Awaitable[object]]) -> float:
+    start = time.perf_counter()
+    await fn()
+    return time.perf_counter() - start
+
+
+async def median_s(fn: Callable[[], Awaitable[object]], repeats: int = 20,
+                   gap_s: float = 0.0) -> float:
+    """The median seconds of `repeats` calls, each after `gap_s` of quiet (a Monarch round
+    trip after 10 ms or more of quiet takes ~3x one made back to back: bench/RESULTS.md)."""
+    times = []
+    for _ in range(repeats):
+        if gap_s:
+            await asyncio.sleep(gap_s)
+        times.append(await timed(fn))
+    return statistics.median(times)

@@ -73,7 +73,7 @@ import psutil  # noqa: E402
 from monarch.actor import Actor, endpoint  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from bench.common import announce  # noqa: E402
+from bench.common import announce, median_s  # noqa: E402
 from colocate import memory, telemetry  # noqa: E402
 from colocate.arbiter import plan  # noqa: E402
 from colocate.resources.manager import init  # noqa: E402
@@ -219,7 +219,10 @@ async def run_mode(name: str, args: argparse.Namespace) -> dict[str, Any]:
             bar.update()
         sampler.stop()
         bar.close()
-        idle_rtt = await idle_round_trips(list(probes.values())[0], args.idle_gap_ms / 1e3)
+        # a message to a tenant proc after quiet, as each of a step's switch messages
+        # comes after compute (one back to back is faster: the threads are still awake)
+        idle_rtt = await median_s(list(probes.values())[0].ping.call, 30,
+                                  gap_s=args.idle_gap_ms / 1e3)
         procs = []
         for group, probe in probes.items():
             ends = [v for _, v in (await probe.snapshot.call()).items()]
@@ -243,19 +246,6 @@ async def run_mode(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "switch_share": sum(r["switch_s"] + r["sync_s"] for r in rows)
             / sum(r["step_s"] for r in rows),
             "sync_share": sum(r["sync_s"] for r in rows) / sum(r["step_s"] for r in rows)}
-
-
-async def idle_round_trips(probe: Any, gap_s: float, calls: int = 30) -> float:
-    """The median round trip of a message to a tenant proc after `gap_s` of quiet, as each
-    of a step's switch messages comes after compute (a back-to-back echo is faster: the
-    receiving threads are still awake)."""
-    times = []
-    for _ in range(calls):
-        await asyncio.sleep(gap_s)
-        began = time.perf_counter()
-        await probe.ping.call()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
 
 
 async def baselines(procs: list[dict[str, Any]]) -> None:

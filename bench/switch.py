@@ -42,7 +42,6 @@ import sys
 import time
 import timeit
 import warnings
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +53,7 @@ import torch  # noqa: E402
 from monarch.actor import Actor, endpoint  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from bench.common import announce  # noqa: E402
+from bench.common import announce, median_s, timed  # noqa: E402
 from colocate import memory, telemetry  # noqa: E402
 from colocate.resources.manager import ResourceManager  # noqa: E402
 from colocate.resources.packing import ResourceRequest  # noqa: E402
@@ -109,16 +108,6 @@ class RawSwitch(Actor):
 
 def values(mesh_result: Any) -> list[Any]:
     return [value for _, value in mesh_result.items()]
-
-
-async def timed(fn: Callable[[], Awaitable[object]]) -> float:
-    start = time.perf_counter()
-    await fn()
-    return time.perf_counter() - start
-
-
-async def median_s(fn: Callable[[], Awaitable[object]], repeats: int = 20) -> float:
-    return statistics.median([await timed(fn) for _ in range(repeats)])
 
 
 async def measure(slots: int, mib: int, rounds: int, desc: str) -> dict[str, Any]:
