@@ -40,6 +40,11 @@ def test_the_summary_names_each_test_by_outcome_and_keeps_each_benchmark_table(t
     rl = sections["RL loop on the GPU"]
     assert "- switch_share: 0.04" in rl and "GPU-0" in rl
     assert "- mean switch_s over 2 steps: 0.0200" in rl  # the eval row (-1) is not a step
+    assert "- switch share from the second step on (median of 1): 0.071" in rl
+    bench = subprocess.run([sys.executable, str(SUMMARY), str(out), "bench"],
+                           capture_output=True, text=True, check=True).stdout
+    assert "| pause GB/s | 12.5 |" in bench  # benchmarks only: no tests, no RL loop
+    assert "tests:" not in bench and "RL loop" not in bench
 
 
 def test_a_run_without_test_results_says_so(tmp_path):

@@ -98,7 +98,7 @@ PY
     timeout "$limit" python3 bench/engines.py --engines torch --dim 1536 --layers 12 \
       --rounds "$rounds" --out /tmp/bench_engines_cuda/results.json 2>&1 \
       | tee "$out/bench-engines.log" || status=1
-    python3 tests/gpu/summary.py "$out" | tee "$out/summary.md"
+    python3 tests/gpu/summary.py "$out" "$1" | tee "$out/summary.md"
     exit "$status" ;;
   *) echo "usage: $0 fetch|run|bench" >&2; exit 2 ;;
 esac

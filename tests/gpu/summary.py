@@ -1,17 +1,20 @@
 """One summary of a GPU session's run (`device.sh run`): every GPU test by name with its
 outcome, then each benchmark's printed table.
 
-    python tests/gpu/summary.py OUT_DIR > OUT_DIR/summary.md
+    python tests/gpu/summary.py OUT_DIR [run|bench] > OUT_DIR/summary.md
 
 Reads OUT_DIR/gpu-tests.xml (pytest's JUnit XML), OUT_DIR/bench-*.log (what each
 benchmark printed) and OUT_DIR/rl-loop-metrics.json (the RL loop's run on the GPU: its
-switch share, step time and devices); a missing file is named in the summary, never
-skipped silently.
+switch share, step time and devices; also the share from the second step on, since the
+first step's sync pins the trainer's host buffers); a missing file is named in the
+summary, never skipped silently. `bench` (`device.sh bench`, benchmarks only) leaves out
+the tests and the RL loop.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -35,8 +38,19 @@ def test_outcomes(xml: Path) -> dict[str, list[str]]:
     return outcomes
 
 
-def summary(out: Path) -> str:
+def summary(out: Path, mode: str = "run") -> str:
     lines = ["# GPU session summary", ""]
+    if mode == "run":
+        lines += run_sections(out)
+    for log in sorted(out.glob("bench-*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-TAIL_LINES:]
+        lines += ["", f"## {log.stem}", "```", *tail, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def run_sections(out: Path) -> list[str]:
+    """The tests by outcome and the RL loop's figures."""
+    lines: list[str] = []
     xml = out / "gpu-tests.xml"
     if xml.exists():
         outcomes = test_outcomes(xml)
@@ -57,13 +71,15 @@ def summary(out: Path) -> str:
             if values:
                 lines.append(f"- mean {key} over {len(values)} steps: "
                              f"{sum(values) / len(values):.4f}")
+        later = [(s["switch_s"] + s["sync_s"]) / s["step_s"] for s in steps[1:]
+                 if {"switch_s", "sync_s", "step_s"} <= s.keys()]
+        if later:
+            lines.append(f"- switch share from the second step on (median of "
+                         f"{len(later)}): {statistics.median(later):.3f}")
     else:
         lines.append(f"no {metrics.name} (the run did not get to write it)")
-    for log in sorted(out.glob("bench-*.log")):
-        tail = log.read_text(errors="replace").splitlines()[-TAIL_LINES:]
-        lines += ["", f"## {log.stem}", "```", *tail, "```"]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 if __name__ == "__main__":
-    print(summary(Path(sys.argv[1])), end="")
+    print(summary(Path(sys.argv[1]), *sys.argv[2:3]), end="")
