@@ -14,6 +14,15 @@ alternates too), after one warm-up pass each:
   rank writes its rows into a shared-memory buffer all ranks map, one all-reduce of a flag
   says all are in, and one more before the next bucket reuses the buffer.
 
+The floor, timed in the same rounds: the least a per-bucket gather must do when it keeps no
+memory between passes (colocation's point: a sleeping trainer holds none): make one
+shared buffer the size of the pass's largest bucket (the gather's own `_SharedBuffer`:
+the kernel zeroes new pages), write this rank's rows of every tensor into it, one
+one-element all-reduce per bucket to say the rows are in and one more before a bucket
+reuses the buffer, and let the buffer go; no layout work, no tensor views. per tensor /
+floor is then the most any such gather can gain over the per-tensor way on this machine,
+and per bucket / floor what `BucketGather` spends above that least.
+
 GB/s per proc = full bytes of the model / seconds of a pass (the slower rank's), medians
 over rounds; ratio = per bucket / per tensor, as the ratio of medians and the median of
 the rounds' ratios (a round's two passes saw the same load). memcpy: `copy_` of the same
@@ -49,10 +58,21 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
 from bench.common import announce  # noqa: E402
-from colocate.engines.fsdp_gather import BucketGather, gather_full  # noqa: E402
+
+# with the gather's own layout and buffer (private), to time the floor with what it does
+from colocate.engines.fsdp_gather import (  # noqa: E402
+    BucketGather,
+    _byte_parts,
+    _layout,
+    _shared_memory_token,
+    _SharedBuffer,
+    buffer_bytes,
+    gather_full,
+)
 from colocate.engines.models import load_model  # noqa: E402
 from colocate.engines.parallel import shard  # noqa: E402
 from colocate.engines.tiny import write_tiny_model  # noqa: E402
+from colocate.engines.trainer import cut_buckets  # noqa: E402
 
 WORLD = 2
 MIB = 1 << 20
@@ -95,26 +115,59 @@ def per_tensor_gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    """`state`'s tensors cut as `PolicyTrainer._buckets` cuts them."""
-    out, bucket, size = [], [], 0
-    for tensor in state.values():
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            out.append(bucket)
-            bucket, size = [], 0
-        bucket.append(tensor.detach())
-        size += nbytes
-    return out + [bucket] if bucket else out
+    """`state`'s tensors cut as `PolicyTrainer.weights` cuts them."""
+    return [[tensor for _, tensor in bucket] for bucket in cut_buckets(state, bucket_bytes)]
 
 
-def timed_pass(way: str, bucket_list: list[list[torch.Tensor]]) -> float:
-    """Seconds for one pass (every bucket gathered, then let go), the slower rank's."""
+def timed_pass(way: str, bucket_list: list[list[torch.Tensor]], floor: tuple) -> float:
+    """Seconds for one pass (every bucket gathered, then let go), the slower rank's;
+    `floor`: `floor_pass`'s arguments."""
+    if way == "floor":
+        return floor_pass(*floor)
     dist.barrier()
     start = time.perf_counter()
-    with BucketGather() as gather:
+    with BucketGather(max(map(buffer_bytes, bucket_list))) as gather:  # as the trainer does
         for bucket in bucket_list:
             full = gather(bucket) if way == "per bucket" else per_tensor_gather(bucket)
             del full
+    seconds = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds)
+
+
+def floor_plan(bucket_list: list[list[torch.Tensor]]
+               ) -> tuple[int, list[list[tuple[torch.Tensor, int]]]]:
+    """What the floor pass writes: the largest bucket's buffer size, and per bucket this
+    rank's rows as bytes with their byte offset in the buffer (as BucketGather lays it)."""
+    rank, largest, plan = dist.get_rank(), 0, []
+    for bucket in bucket_list:
+        layout = _layout(bucket)
+        offsets, total = _byte_parts(bucket, layout)
+        largest = max(largest, total)
+        writes = []
+        for tensor, rows, offset in zip(bucket, layout, offsets, strict=True):
+            local = tensor.to_local().contiguous()
+            row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
+            writes.append((local.view(-1).view(torch.uint8), offset + rank * rows * row_bytes))
+        plan.append(writes)
+    return largest, plan
+
+
+def floor_pass(largest: int, plan: list[list[tuple[torch.Tensor, int]]], token: str) -> float:
+    """Seconds of the floor (module docstring) for one pass, the slower rank's."""
+    flag = torch.zeros(1)
+    dist.barrier()
+    start = time.perf_counter()
+    buffer = _SharedBuffer.make(token, largest, dist.get_rank(), WORLD)
+    whole = buffer.bytes(largest)
+    for number, writes in enumerate(plan):
+        for rows, offset in writes:
+            whole[offset:offset + rows.numel()].copy_(rows)
+        dist.all_reduce(flag)  # every rank's rows are in
+        if number + 1 < len(plan):
+            dist.all_reduce(flag)  # every rank let the bucket go
+    buffer.path.unlink(missing_ok=True)
+    del whole, buffer
     seconds = torch.tensor([time.perf_counter() - start])
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return float(seconds)
@@ -134,6 +187,8 @@ def rank_main(rank: int, port: int, path: str, bucket_mbs: list[int], rounds: in
     full_bytes = sum(sizes)
     reference = [t.full_tensor() for t in state.values()]
     warm = [torch.empty_like(t) for t in reference]
+    token = _shared_memory_token(dist.group.WORLD)
+    assert token is not None, "the ranks do not share /dev/shm"
     results = []
     for bucket_mb in bucket_mbs:
         bucket_list = buckets(state, bucket_mb * MIB)
@@ -141,15 +196,16 @@ def rank_main(rank: int, port: int, path: str, bucket_mbs: list[int], rounds: in
             torch.equal(a.view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
             for bucket in bucket_list
             for a, b in zip(per_tensor_gather(bucket), gather_full(bucket), strict=True))
-        ways = ["per tensor", "per bucket"]
+        ways = ["per tensor", "per bucket", "floor"]
+        floor = (*floor_plan(bucket_list), token)
         for way in ways:
-            timed_pass(way, bucket_list)  # warm-up
+            timed_pass(way, bucket_list, floor)  # warm-up
         times: dict[str, list[float]] = {name: [] for name in ways}
         memcpy, memcpy_new = [], []
         for number in range(rounds):
             order = ways if number % 2 == 0 else list(reversed(ways))
             for name in order:
-                times[name].append(timed_pass(name, bucket_list))
+                times[name].append(timed_pass(name, bucket_list, floor))
             for dst, src in zip(warm, reference, strict=True):
                 dst.copy_(src)
             copies = []
@@ -205,9 +261,10 @@ def main() -> None:
     bucket_mbs = [int(mb) for mb in args.bucket_mb.split(",")]
     rows = []
     print("| model | MiB | tensors | largest MiB | bucket MiB | buckets | per tensor GB/s | "
-          "per bucket GB/s | ratio of medians | median of round ratios | memcpy GB/s | "
-          "memcpy into new GB/s | bit-exact | load average |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+          "per bucket GB/s | ratio of medians | median of round ratios | floor GB/s | "
+          "per tensor / floor | per bucket / floor | memcpy GB/s | memcpy into new GB/s | "
+          "bit-exact | load average |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for name in args.models.split(","):
         before = loadavg()
         ranks = run_model(name, bucket_mbs, args.rounds)
@@ -232,7 +289,9 @@ def main() -> None:
                    "largest_mib": entry["largest_bytes"] / MIB, "buckets": entry["buckets"],
                    "per_tensor_gbs": rate["per tensor"], "per_bucket_gbs": rate["per bucket"],
                    "ratio_of_medians": rate["per bucket"] / rate["per tensor"],
-                   "median_round_ratio": paired, "memcpy_gbs": memcpy,
+                   "median_round_ratio": paired, "floor_gbs": rate["floor"],
+                   "ceiling": rate["floor"] / rate["per tensor"],
+                   "over_floor": rate["floor"] / rate["per bucket"], "memcpy_gbs": memcpy,
                    "memcpy_new_gbs": memcpy_new, "exact": exact,
                    "load_average": f"{before} -> {after}", "times": entry["times"]}
             rows.append(row)
@@ -240,11 +299,18 @@ def main() -> None:
                   f"{row['largest_mib']:.2f} | {row['bucket_mb']} | {row['buckets']} | "
                   f"{row['per_tensor_gbs']:.2f} | {row['per_bucket_gbs']:.2f} | "
                   f"{row['ratio_of_medians']:.2f} | {row['median_round_ratio']:.2f} | "
+                  f"{row['floor_gbs']:.2f} | {row['ceiling']:.2f} | {row['over_floor']:.2f} | "
                   f"{row['memcpy_gbs']:.2f} | {row['memcpy_new_gbs']:.2f} | "
                   f"{'yes' if exact else 'NO'} | {row['load_average']} |", flush=True)
     worst = min(min(r["ratio_of_medians"], r["median_round_ratio"]) for r in rows)
     print(f"summary: per bucket / per tensor {worst:.2f}x at worst "
           f"(target >= 3x: {'PASS' if worst >= 3 else 'FAIL'})")
+    for row in rows:
+        if min(row["ratio_of_medians"], row["median_round_ratio"]) < 3:
+            print(f"  {row['model']} at {row['bucket_mb']} MiB: the floor allows at most "
+                  f"{row['ceiling']:.2f}x over per tensor; per bucket takes "
+                  f"{row['over_floor']:.2f}x the floor's time (within 1.5x: "
+                  f"{'PASS' if row['over_floor'] <= 1.5 else 'FAIL'})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"machine": info, "command": command,
                                           "rounds": args.rounds, "rows": rows}, indent=1))

@@ -187,9 +187,21 @@ def count_rank(rank: int, world: int, port: int, out: str) -> None:
         kept = [gather(bucket) for bucket in buckets]
     kept_exact = all(_same_bits(f, w) for full, want in zip(kept, expected, strict=True)
                      for f, w in zip(full, want, strict=True))
+    # buckets that grow, each let go before the next: buffers made without and with the
+    # pass's capacity given ahead
+    growing = [[distribute_tensor(_awkward((rows, 10), torch.float32, rows), mesh,
+                                  [Shard(0)])] for rows in (3, 301, 601)]
+    made = {}
+    for capacity in (0, max(map(fsdp_gather.buffer_bytes, growing))):
+        before = sum(fsdp_gather._serials.values())
+        with fsdp_gather.BucketGather(capacity) as gather:
+            grown_exact = all(_same_bits(gather(bucket)[0], bucket[0].full_tensor())
+                              for bucket in growing)
+        made[str(capacity)] = (sum(fsdp_gather._serials.values()) - before, grown_exact)
     Path(out, f"{rank}.json").write_text(json.dumps({
         "calls": calls, "exact": exact, "kept_exact": kept_exact, "buffers": buffers,
-        "kept_buffers": [full[0].untyped_storage().data_ptr() for full in kept]}))
+        "kept_buffers": [full[0].untyped_storage().data_ptr() for full in kept],
+        "made": made}))
     dist.destroy_process_group()
 
 
@@ -197,13 +209,17 @@ def count_rank(rank: int, world: int, port: int, out: str) -> None:
 def test_a_pass_takes_two_small_all_reduces_a_bucket_and_reuses_a_let_go_buffer(tmp_path):
     """Three buckets of 101 tensors: no broadcast, and 5 one-element all-reduces (1 for the
     first bucket, 2 for each after). A bucket let go on every rank leaves its buffer to
-    the next; buckets kept by the caller each get their own, and keep their values."""
+    the next; buckets kept by the caller each get their own, and keep their values.
+    Buckets that grow make a buffer each, unless the pass's capacity was given ahead."""
     ranks = _spawn(count_rank, 2, tmp_path)
     for rank in ranks:
         assert rank["calls"] == {"broadcast": [], "all_reduce": [8] * 5}  # int64 flags
         assert all(rank["exact"]) and rank["kept_exact"]
         assert len(set(rank["buffers"])) == 1
         assert len(set(rank["kept_buffers"])) == 3
+        without, with_capacity = rank["made"].values()
+        assert without == [3, True], rank["made"]
+        assert with_capacity == [1, True], rank["made"]
     assert not list(shm_dir().glob("gather-*")), "a shared buffer's file was left behind"
 
 

@@ -56,11 +56,16 @@ class BucketGather:
     """Gathers the buckets of one pass over sharded weights, in order, each by
     `gather_full`'s rules; on one host over gloo, through one shared-memory buffer that
     the pass reuses from bucket to bucket. Every rank makes the same calls; `close` (or
-    the end of a `with` block) lets the buffer go once the last bucket's tensors are."""
+    the end of a `with` block) lets the buffer go once the last bucket's tensors are.
 
-    def __init__(self) -> None:
+    `capacity`: the largest `buffer_bytes` among the pass's buckets, when the caller knows
+    them ahead; the first buffer is made that large, so a larger bucket later does not
+    make a second one (new shared memory costs the kernel's zeroing of every page)."""
+
+    def __init__(self, capacity: int = 0) -> None:
         self._buffer: _SharedBuffer | None = None
         self._shared_memory_failed = False
+        self._capacity = capacity
 
     def __enter__(self) -> BucketGather:
         return self
@@ -73,7 +78,7 @@ class BucketGather:
 
     @torch.no_grad()  # so DTensor.to_local is its local tensor, not an autograd call
     def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        layout = [_chunk_rows(t) if isinstance(t, DTensor) else None for t in tensors]
+        layout = _layout(tensors)
         sharded = [t for t, rows in zip(tensors, layout, strict=True) if rows is not None]
         if not sharded:
             return [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
@@ -105,8 +110,8 @@ class BucketGather:
         world, rank = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
         if buffer is None:
             try:
-                buffer = _SharedBuffer.make(_shared_memory_token(group), max(total, ALIGN),
-                                            rank, world)
+                buffer = _SharedBuffer.make(_shared_memory_token(group),
+                                            max(total, self._capacity, ALIGN), rank, world)
             except OSError as error:
                 failure = f"{error}"
         whole = buffer.bytes(total) if buffer is not None else None
@@ -203,6 +208,12 @@ def _shared_memory_token(group: dist.ProcessGroup) -> str | None:
     return _tokens[group]
 
 
+def buffer_bytes(tensors: list[torch.Tensor]) -> int:
+    """The bytes of the shared buffer that gathering `tensors` (one bucket) takes; 0 when
+    none of them is an FSDP2 shard. Reads shapes and meshes only: no data, no collective."""
+    return _byte_parts(tensors, _layout(tensors))[1]
+
+
 def _byte_parts(tensors: list[torch.Tensor], layout: list[int | None]
                 ) -> tuple[list[int], int]:
     """Each sharded tensor's byte offset in a shared buffer (its padded rows, aligned),
@@ -267,12 +278,28 @@ def _all_gather(out: torch.Tensor, local: torch.Tensor, rows: int,
     return []
 
 
-def _chunk_rows(tensor: DTensor) -> int | None:
-    """Rows per rank when `tensor` is FSDP2's dim-0 shard on a 1-D mesh (and this rank's
-    local shard has the rows that layout gives it); else None."""
-    if tensor.device_mesh.ndim != 1 or tensor.placements != (Shard(0),) or tensor.ndim == 0:
+def _layout(tensors: list[torch.Tensor]) -> list[int | None]:
+    """`_chunk_rows` of each tensor (None for a plain tensor), asking each mesh its size
+    and this rank's place once (tens of microseconds a question, for every tensor)."""
+    places: dict[int, tuple[int, int]] = {}
+    layout = []
+    for tensor in tensors:
+        if not isinstance(tensor, DTensor) or tensor.device_mesh.ndim != 1:
+            layout.append(None)
+            continue
+        mesh = tensor.device_mesh
+        if id(mesh) not in places:
+            places[id(mesh)] = (mesh.size(), mesh.get_local_rank())
+        layout.append(_chunk_rows(tensor, *places[id(mesh)]))
+    return layout
+
+
+def _chunk_rows(tensor: DTensor, world: int, rank: int) -> int | None:
+    """Rows per rank when `tensor` is FSDP2's dim-0 shard on its 1-D mesh of `world`
+    ranks, of which this is `rank` (and its local shard has the rows that layout gives
+    it); else None."""
+    if tensor.placements != (Shard(0),) or tensor.ndim == 0:
         return None
-    world, rank = tensor.device_mesh.size(), tensor.device_mesh.get_local_rank()
     rows = math.ceil(tensor.shape[0] / world)
     expected = max(0, min(rows, tensor.shape[0] - rank * rows))
     return rows if tensor.to_local().shape[0] == expected else None

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from colocate.arbiter.tenant import TaggedTenant
 from colocate.engines.batches import to_device
 from colocate.engines.checkpoint import Checkpointer
-from colocate.engines.fsdp_gather import BucketGather
+from colocate.engines.fsdp_gather import BucketGather, buffer_bytes
 from colocate.engines.parallel import check_layout, distributed_env, join_group, shard
 from colocate.engines.weights import WeightStream, publish
 
@@ -138,17 +138,28 @@ class PolicyTrainer:
 
     def _buckets(self, state: dict[str, torch.Tensor]
                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        bucket, size = [], 0
-        with BucketGather() as gather:  # one shared buffer for the pass, on one host
-            for name, tensor in state.items():
-                nbytes = tensor.numel() * tensor.element_size()
-                if bucket and size + nbytes > self.bucket_bytes:
-                    yield _gathered(gather, bucket)
-                    bucket, size = [], 0
-                bucket.append((name, tensor.detach()))
-                size += nbytes
-            if bucket:
+        buckets = cut_buckets(state, self.bucket_bytes)
+        capacity = max(buffer_bytes([t for _, t in bucket]) for bucket in buckets)
+        # one shared buffer for the pass (on one host), made once at its largest bucket
+        with BucketGather(capacity) as gather:
+            for bucket in buckets:
                 yield _gathered(gather, bucket)
+
+
+def cut_buckets(state: dict[str, torch.Tensor], bucket_bytes: int
+                ) -> list[list[tuple[str, torch.Tensor]]]:
+    """`state`'s (name, tensor) pairs in order, cut into buckets of at most `bucket_bytes`
+    of full tensors (or one tensor, when it is larger)."""
+    buckets: list[list[tuple[str, torch.Tensor]]] = []
+    bucket, size = [], 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            buckets.append(bucket)
+            bucket, size = [], 0
+        bucket.append((name, tensor.detach()))
+        size += nbytes
+    return buckets + [bucket] if bucket else buckets
 
 
 def _gathered(gather: BucketGather, bucket: list[tuple[str, torch.Tensor]]
