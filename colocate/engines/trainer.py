@@ -139,7 +139,7 @@ class PolicyTrainer:
     def _buckets(self, state: dict[str, torch.Tensor]
                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         buckets = cut_buckets(state, self.bucket_bytes)
-        capacity = max(buffer_bytes([t for _, t in bucket]) for bucket in buckets)
+        capacity = max((buffer_bytes([t for _, t in bucket]) for bucket in buckets), default=0)
         # one shared buffer for the pass (on one host), made once at its largest bucket
         with BucketGather(capacity) as gather:
             for bucket in buckets:
