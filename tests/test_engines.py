@@ -24,7 +24,7 @@ from colocate.engines.generator import TorchGenerator, WeightsDiscardedError
 from colocate.engines.models import ModelDirError, check_model_dir, load_model, load_tokenizer
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
-from colocate.engines.trainer import PolicyTrainer
+from colocate.engines.trainer import NonFiniteGradientsError, PolicyTrainer
 from colocate.engines.weights import (
     StaleWeightsError,
     WeightStream,
@@ -113,6 +113,25 @@ def test_trainer_loss_equals_transformers_reference(model_dirs, arch):
     expected = reference(input_ids=batch, labels=batch).loss.item()
     trainer = PolicyTrainer(net(model_dirs[arch]), prefix=f"t_ref_{arch}")
     assert trainer.step(ce_loss, batch)["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_gradients_that_are_not_finite_leave_the_weights_as_they_were(model_dirs):
+    """A diverged step (inf or NaN in the loss) is refused before the optimizer step:
+    weights, AdamW state and the step count stay, and the next good step trains."""
+    trainer = PolicyTrainer(net(model_dirs["llama"]), prefix="t_nonfinite")
+    batch = torch.tensor([p[:2] for p in prompts(model_dirs["llama"])])
+    trainer.step(sum_loss, batch)  # AdamW state exists from here on
+    before = digest(trainer.weights().tensors())
+    moments = [t.clone() for s in trainer.optimizer.state.values() for t in s.values()]
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(NonFiniteGradientsError, match="not finite.*lower the learning"):
+            trainer.step(lambda module, b, bad=bad: (sum_loss(module, b)[0] * bad, {}), batch)
+        assert digest(trainer.weights().tensors()) == before
+        after = [t for s in trainer.optimizer.state.values() for t in s.values()]
+        assert all(torch.equal(a, b) for a, b in zip(moments, after, strict=True))
+        assert trainer.steps == 1
+    trainer.step(sum_loss, batch)
+    assert trainer.steps == 2 and digest(trainer.weights().tensors()) != before
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -22,6 +22,7 @@ Face name as a `WeightStream`: from an FSDP trainer, every rank must iterate it 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,6 +43,11 @@ STAGES = {"weights": True, "optimizer": True, "grads": False}  # stage -> kept a
 BUCKET_MB = 256  # default bound on the full tensors gathered at once from an FSDP trainer
 
 LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]
+
+
+class NonFiniteGradientsError(RuntimeError):
+    """A step's gradients were not finite (a diverging run, or a loss of inf or NaN): the
+    optimizer step was skipped, so the weights and AdamW state are those from before it."""
 
 
 class PolicyTrainer:
@@ -91,7 +97,9 @@ class PolicyTrainer:
     def step(self, loss_fn: LossFn, batch: Any) -> dict[str, float]:
         """One optimizer step on `loss_fn(module, batch)` -> (loss, metrics); returns the
         metrics with "loss" and "grad_norm" added. The batch's tensors are moved to the
-        trainer's device first. Data-parallel ranks average gradients."""
+        trainer's device first. Data-parallel ranks average gradients. Gradients that are
+        not finite raise `NonFiniteGradientsError` before the optimizer step (every rank
+        alike: the norm is of the averaged gradients), so NaN never reaches the weights."""
         self.tenancy.ensure_awake()
         self.optimizer.zero_grad(set_to_none=False)
         loss, metrics = loss_fn(self.module, to_device(batch, self.device))
@@ -100,6 +108,13 @@ class PolicyTrainer:
                                               self.max_grad_norm or float("inf"))
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
+        if not math.isfinite(norm.item()):
+            raise NonFiniteGradientsError(
+                f"trainer step {self.steps}: gradient norm {norm.item()} (loss "
+                f"{loss.item()}): not finite, so the optimizer step was skipped and the "
+                "weights are still those from before it. The run diverged: lower the "
+                "learning rate (lr), or look for inf or NaN in the loss's inputs "
+                "(rewards, advantages, a KL term).")
         self.optimizer.step()
         self.tenancy.adopt([p.grad for p in self.model.parameters() if p.grad is not None],
                            "grads")
