@@ -81,11 +81,14 @@ PY
         --durations=0 --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" \
         || status=1
       # the RL loop with a random Llama of ~0.5 B parameters (2 GB of fp32 weights), its
-      # switch share on a GPU: metrics.json's summary and per-step switch_s / sync_s
+      # switch share on a GPU: metrics.json's summary and per-step switch_s / sync_s. The
+      # init and lr of a model that size: the tiny model's (std 0.1, lr 1e-3) diverged
+      # on an H200 (bench/RESULTS.md, "Second GPU session")
       rl=/tmp/rl_loop_cuda
       timeout 110 python3 -m examples.rl_loop run.steps=8 run.eval_every=8 run.save_every=0 \
         model.hidden_size=1536 model.layers=20 model.heads=12 model.kv_heads=2 \
-        model.intermediate_size=4096 run.out="$rl" 2>&1 | tee "$out/bench-rl-loop.log" \
+        model.intermediate_size=4096 model.init_std=0.02 grpo.lr=1e-5 run.out="$rl" 2>&1 \
+        | tee "$out/bench-rl-loop.log" \
         || status=1
       cp "$rl/metrics.json" "$out/rl-loop-metrics.json" 2>/dev/null || status=1
       timeout 45 python3 bench/memory.py --device cuda --out /tmp/bench_memory_cuda 2>&1 \
