@@ -108,9 +108,10 @@ class PolicyTrainer:
                                               self.max_grad_norm or float("inf"))
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        if not math.isfinite(norm.item()):
+        grad_norm = norm.item()
+        if not math.isfinite(grad_norm):
             raise NonFiniteGradientsError(
-                f"trainer step {self.steps}: gradient norm {norm.item()} (loss "
+                f"trainer step {self.steps}: gradient norm {grad_norm} (loss "
                 f"{loss.item()}): not finite, so the optimizer step was skipped and the "
                 "weights are still those from before it. The run diverged: lower the "
                 "learning rate (lr), or look for inf or NaN in the loss's inputs "
@@ -120,7 +121,7 @@ class PolicyTrainer:
                            "grads")
         self.tenancy.adopt(self.optimizer, "optimizer")
         self.steps += 1
-        return {**metrics, "loss": loss.item(), "grad_norm": norm.item()}
+        return {**metrics, "loss": loss.item(), "grad_norm": grad_norm}
 
     def save_checkpoint(self, path: str | os.PathLike, wait: bool = True, *,
                         frame_dir: str | os.PathLike | None = None) -> None:
