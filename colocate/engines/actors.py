@@ -10,6 +10,10 @@ the trainer's weights to the generator in place (see `SlotArbiter.handoff`). Acr
 of one host the trainer's `export_weights` and the generator's `load_exported` go through
 shared memory; across hosts, the trainer's `offer_weights` and the generator's `load_remote` go over
 Monarch RDMA buffers.
+
+Each step's torch work (`train_step`, the torch generator's `generate`, `forward`) runs on
+the actor's `ComputeThread`, so its allocation churn keeps a malloc arena apart from
+Monarch's own (see `compute_thread`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from monarch.actor import endpoint
 
 from colocate.arbiter.actor import TenantActor
 from colocate.engines import generator, trainer
+from colocate.engines.compute_thread import ComputeThread
 from colocate.engines.export import write_hf_model
 from colocate.engines.models import load_model
 from colocate.engines.reference import ForwardFn, ReferencePolicy
@@ -49,12 +54,13 @@ class TrainerActor(TenantActor):
         self.trainer = trainer.PolicyTrainer(load_model(model_dir), lr=lr,
                                              prefix=self.tenant_name, **options)
         self.tenancy = self.trainer.tenancy
+        self.compute = ComputeThread(f"{self.tenant_name}-compute")
         self.exports = 0
         self.offered: list = []  # the tensors under the last RDMA offer, kept alive
 
     @endpoint
     def train_step(self, loss_fn: trainer.LossFn, batch: Any) -> dict[str, float]:
-        return self.trainer.step(loss_fn, batch)
+        return self.compute.run(self.trainer.step, loss_fn, batch)
 
     @endpoint
     def weights_need_every_rank(self) -> bool:
@@ -143,16 +149,20 @@ class GeneratorActor(TenantActor):
         if engine == "torch":
             self.engine = generator.TorchGenerator(load_model(model_dir), max_batch,
                                                    prefix=self.tenant_name, **options)
+            self.compute: ComputeThread | None = ComputeThread(f"{self.tenant_name}-compute")
         else:
             from colocate.engines.vllm_generator import VLLMGenerator
 
             self.engine = VLLMGenerator(model_dir, max_batch=max_batch,
                                         prefix=self.tenant_name, **options)
+            self.compute = None  # vLLM runs on the thread it was made on, with its own memory
         self.tenancy = self.engine.tenancy
 
     @endpoint
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        return self.engine.generate(prompts, params)
+        if self.compute is None:
+            return self.engine.generate(prompts, params)
+        return self.compute.run(self.engine.generate, prompts, params)
 
     @endpoint
     def receive(self, source: str) -> int:
@@ -184,10 +194,11 @@ class ReferenceActor(TenantActor):
         self.reference = ReferencePolicy(load_model(model_dir), prefix=self.tenant_name,
                                          parallel=parallel, mixed_precision=mixed_precision)
         self.tenancy = self.reference.tenancy
+        self.compute = ComputeThread(f"{self.tenant_name}-compute")
 
     @endpoint
     def forward(self, fn: ForwardFn, batch: Any) -> Any:
-        return self.reference.forward(fn, batch)
+        return self.compute.run(self.reference.forward, fn, batch)
 
     @endpoint
     def checksum(self) -> str:
