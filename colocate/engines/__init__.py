@@ -22,4 +22,6 @@
 - `parallel`: joining a replica's torch.distributed group, FSDP2 sharding.
 - `actors`: `TrainerActor`, `GeneratorActor` and `ReferenceActor`, the engines as Monarch
   tenants.
+- `compute_thread`: `ComputeThread`, where an engine actor's step runs: a thread of its
+  own, whose malloc arena Monarch's threads do not share.
 """
