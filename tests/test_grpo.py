@@ -100,6 +100,12 @@ def test_kl_is_zero_at_the_reference_and_positive_elsewhere():
     assert torch.allclose(kl_k3(logprobs, logprobs), torch.zeros(4, 5))
     assert (kl_k3(logprobs, logprobs + 0.3) > 0).all()
     assert (kl_k3(logprobs, logprobs - 0.3) > 0).all()
+    # one token far from the reference (a sharp random init after one update) stays finite
+    far = torch.tensor([-200.0, -1.0], requires_grad=True)
+    kl = kl_k3(far, torch.tensor([-1.0, -1.0]))
+    assert kl[0].item() == 10.0 and kl[1].item() == 0.0
+    kl.sum().backward()
+    assert torch.isfinite(far.grad).all()
 
     b = _batch([1.0, -1.0])
     cfg = GRPOConfig(kl_coef=0.5)

@@ -195,9 +195,13 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tens
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's
     k3, veRL's "low_var_kl", as in the GRPO paper and TRL): exp(ref - logp) - (ref - logp)
-    - 1, always >= 0."""
-    delta = ref_logprobs - logprobs
-    return torch.exp(delta) - delta - 1
+    - 1, always >= 0. Clamped as veRL (`core_algos.kl_penalty`) and OpenRLHF
+    (`compute_approx_kl`) clamp it: the log-ratio to [-20, 20] and the estimate to at most
+    10 a token, so one token far from the reference cannot overflow exp() (on a GPU, a
+    ~0.5 B model of wide initial logits read 1.2e14 at its first step and ended in NaN
+    weights, bench/RESULTS.md "Second GPU session")."""
+    delta = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
+    return (torch.exp(delta) - delta - 1).clamp(max=10.0)
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str,
