@@ -42,8 +42,8 @@ from colocate.engines.weights import WeightStream, publish
 STAGES = {"weights": True, "optimizer": True, "grads": False}  # stage -> kept across a sleep
 # default bound on the full tensors gathered at once from an FSDP trainer: 64 MiB, not 256,
 # since each pass makes its gather buffer anew (a sleeping trainer keeps none) and at 256
-# MiB zeroing that new memory bounds a gloo pass (bench/fsdp_sync.py: 3.6x the per-tensor
-# way at 64 MiB, 1.7x at 256); it also lowers a sync's peak (bucket + largest tensor)
+# MiB zeroing that new memory bounds a gloo pass (bench/fsdp_sync.py: 3.6-4.8x the per-tensor
+# way at 64 MiB, 1.7-2.1x at 256); it also lowers a sync's peak (bucket + largest tensor)
 BUCKET_MB = 64
 
 LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]
