@@ -10,7 +10,8 @@ by a hole of a page or more every few steps, without end, and every sleep's
 `malloc_trim(0)` (`memory.release_cached`) walks and madvises each one, so the handoff
 grew ~0.65 ms per 1,000 steps (bench/RESULTS.md, "A thread of its own for engine work").
 On a thread of the actor's own, the churn's arena holds only the churn and stops
-growing.
+growing. (glibc makes at most 8 arenas a core, then threads share them: a Monarch proc
+has about 12 threads, so on a 1-core machine set `MALLOC_ARENA_MAX` higher for the procs.)
 
 One thread per actor (not per process), so actors sharing a proc run side by side as
 they do on Monarch's threads, and ranks of different actors cannot wait on each other's
