@@ -20,6 +20,27 @@ except ImportError:
     pytest_plugins = []
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """A failure's report even when Python 3.11.7 cannot parse its source for pytest: the
+    AST constructor's depth counter is shared by threads (CPython gh-106905, fixed in
+    3.11.8), and its `SystemError` while pytest formats a failure ended the whole session
+    (INTERNALERROR, no later test run). Then the failure is told without source lines."""
+    try:
+        return (yield)
+    except SystemError as err:
+        if "recursion depth mismatch" not in str(err) or call.excinfo is None:
+            raise
+        lines = [f"{entry.path}:{entry.lineno + 1}: in {entry.name}"
+                 for entry in call.excinfo.traceback]
+        lines += [call.excinfo.exconly(), f"(source not shown: {err}, CPython gh-106905)"]
+        return pytest.TestReport(
+            item.nodeid, item.location, dict.fromkeys(item.keywords, 1), "failed",
+            "\n".join(lines), call.when, duration=call.duration, start=call.start,
+            stop=call.stop, user_properties=item.user_properties)
+
+
 def run_isolated(fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None) -> Any:
     """Run `fn(*args)` in a new spawned Python process (with `env` added to its
     environment) and return its result."""

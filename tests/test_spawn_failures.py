@@ -126,8 +126,11 @@ async def test_a_process_that_dies_in_init_loses_only_its_procs():
     async with start_runtime(gpus_per_host=2) as rm:
         a = await spawn_memory(rm, "a", procs=1)
         alloc = await rm.allocate(ResourceRequest("doomed", 1, 1), owner="exiting")
-        with pytest.raises(SpawnError, match=r"'exiting'.*failed to start: .*exited with "
-                           r"non-zero code 3.*rm.release\('doomed'\)") as info:
+        # Monarch's own word for the death: the exit code, or, on a loaded machine, its
+        # spawn's 30 s status timeout (seen under a CPU hog: "statuses: Timeout(30.0s)")
+        with pytest.raises(SpawnError, match=r"'exiting'.*failed to start: .*(exited with "
+                           r"non-zero code 3|statuses: Timeout).*rm.release\('doomed'\)"
+                           ) as info:
             await rm.spawn("exiting", ExitingTenant, alloc)
         assert info.value.procs_lost and not rm.faults.known("exiting")
         await still_switches(rm, a, procs=1)
