@@ -8,7 +8,8 @@
 
 Layers: `memory` (tagged pause/resume per process), `telemetry` (readings, timeline),
 `arbiter` (per-host time-sharing of slots), `resources` (hosts, groups, the manager),
-`phases` (the switch as a block: `phase`), `testing` (fixtures for your own integration tests).
+`phases` (the switch as a block: `phase`), `calls` (what an endpoint needs: `needs`,
+`preemptible`), `testing` (fixtures for your own integration tests).
 Importing this package stays light: Monarch loads with `init` and `phase`.
 
 `remote_errors()` makes the runtime's own errors catchable by their type around a direct
@@ -29,6 +30,8 @@ _EXPORTS = {
     "ArbiterConfig": "colocate.arbiter.config",
     "remote_errors": "colocate.arbiter.actor",
     "SpawnError": "colocate.resources.spawning",
+    "needs": "colocate.calls",
+    "preemptible": "colocate.calls",
 }
 __all__ = sorted(_EXPORTS)
 
