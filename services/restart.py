@@ -34,27 +34,39 @@ The services' own `on_respawn` hooks are for one replica's respawn and do not ru
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from colocate.resources.groups import Allocation
 from colocate.resources.manager import ResourceManager, current
-from services.config import ServiceConfigError
-from services.replica import ReplicaState, tenant_name
-
-if TYPE_CHECKING:
-    from services.replica import Replica
-    from services.service import Service
+from services.config import ServiceConfig, ServiceConfigError
+from services.holding import running_hooks
+from services.replica import Replica, ReplicaState
 
 logger = logging.getLogger(__name__)
 
-# the group whose on_restart hooks are running in this context: its held calls go through
-_in_hooks: contextvars.ContextVar[str | None] = contextvars.ContextVar("in_restart_hooks",
-                                                                       default=None)
+
+class GroupMember(Protocol):
+    """What a group restart uses of each of its services (a `services.service.Service`)."""
+
+    name: str
+    config: ServiceConfig
+    replicas: list[Replica]
+    closed: bool
+
+    def hold(self, why: str) -> None: ...
+
+    def end_hold(self) -> None: ...
+
+    def keep(self, task: asyncio.Task) -> None: ...
+
+    async def start_generation(self, replica: Replica, allocation: Allocation) -> None: ...
+
+    def fail_replica(self, replica: Replica, err: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,7 @@ class GroupRestarts:
 
     def __init__(self, rm: ResourceManager, group: str) -> None:
         self.rm, self.group = rm, group
-        self.services: list[Service] = []  # spawn order
+        self.services: list[GroupMember] = []  # spawn order
         self.policy: str | None = None  # of the services in the group now
         self.on_restart: list[Hook] = []
         self.events: list[RestartEvent] = []
@@ -90,7 +102,7 @@ class GroupRestarts:
     def running(self) -> bool:
         return self.task is not None and not self.task.done()
 
-    def join(self, service: Service) -> None:
+    def join(self, service: GroupMember) -> None:
         """Add a service spawned in the group (refused when its policy differs: a group
         restart replaces every proc of the group, so it must know every service there)."""
         policy = service.config.restart
@@ -103,14 +115,9 @@ class GroupRestarts:
         self.policy = policy
         self.services.append(service)
 
-    def leave(self, service: Service) -> None:
+    def leave(self, service: GroupMember) -> None:
         if service in self.services:
             self.services.remove(service)
-
-    @staticmethod
-    def in_hooks(group: str) -> bool:
-        """Whether this call runs inside `group`'s restart hooks (its calls go through)."""
-        return _in_hooks.get() == group
 
     def failed(self, cause: str) -> None:
         """A replica of one of the group's services failed (it is marked so): restart the
@@ -136,9 +143,9 @@ class GroupRestarts:
                                      for r in s.replicas):
             self.failed(again)
 
-    async def _restart(self, services: list[Service], cause: str, detected: float,
+    async def _restart(self, services: list[GroupMember], cause: str, detected: float,
                        wall: float) -> None:
-        started: list[tuple[Service, Replica]] = []  # this restart's new actors
+        started: list[tuple[GroupMember, Replica]] = []  # this restart's new actors
         count = len(self.events) + 1
         names = tuple(s.name for s in services)
         try:
@@ -148,23 +155,16 @@ class GroupRestarts:
             await self.rm.restart_group(self.group)
             for service in services:
                 for replica in self._recovering(service):
-                    allocation = self.rm.reallocate(replica.allocation)
-                    generation = replica.generation + 1
-                    actors = await service.start_actors(
-                        tenant_name(service.name, replica.index, generation), allocation)
-                    replica.actors, replica.allocation, replica.generation = \
-                        actors, allocation, generation
+                    await service.start_generation(replica,
+                                                   self.rm.reallocate(replica.allocation))
                     started.append((service, replica))
             event = RestartEvent(self.group, cause, wall, time.monotonic() - detected, count,
                                  names)
             for _, replica in started:
                 replica.move(ReplicaState.HEALTHY)
-            token = _in_hooks.set(self.group)
-            try:
+            with running_hooks(self.group):
                 for hook in self.on_restart:
                     await hook(event)
-            finally:
-                _in_hooks.reset(token)
         except BaseException as err:
             await self._undo(services, started, cause, err, wall, detected, count, names)
             if not isinstance(err, Exception):
@@ -181,10 +181,10 @@ class GroupRestarts:
                                               f"{self.rm.faults.why(replica.tenant)}")
 
     @staticmethod
-    def _recovering(service: Service) -> list[Replica]:
+    def _recovering(service: GroupMember) -> list[Replica]:
         return [r for r in service.replicas if r.state is ReplicaState.RECOVERING]
 
-    async def _undo(self, services: list[Service], started: list[tuple[Service, Replica]],
+    async def _undo(self, services: list[GroupMember], started: list[tuple[GroupMember, Replica]],
                     cause: str, err: BaseException, wall: float, detected: float, count: int,
                     names: tuple[str, ...]) -> None:
         """A failed or cancelled restart: stop what it started and leave the services failed

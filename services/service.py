@@ -56,6 +56,7 @@ from services.errors import (
     ServiceError,
     ServiceUnavailableError,
 )
+from services.holding import in_hooks
 from services.replica import Replica, ReplicaState, ReplicaStateError, tenant_name
 from services.restart import GroupRestarts
 from services.router import make_router
@@ -67,15 +68,16 @@ A = TypeVar("A")  # the actor class of a service's replicas
 
 class Service(Generic[A]):
     """A set of replicas of one actor class `A`, colocated through the resource manager;
-    `svc.<endpoint>` is a `ServiceEndpoint` typed from `A`'s endpoint (services.endpoint)."""
+    `svc.<endpoint>` is a `ServiceEndpoint` typed from `A`'s endpoint (services.endpoint).
+    It joins `restarts`, its resource group's (refused when its restart policy differs)."""
 
     def __init__(self, name: str, config: ServiceConfig, actor_class: type[A],
-                 rm: ResourceManager, request: ResourceRequest, args: tuple = (),
-                 kwargs: dict | None = None) -> None:
+                 rm: ResourceManager, request: ResourceRequest, restarts: GroupRestarts,
+                 args: tuple = (), kwargs: dict | None = None) -> None:
         self.name, self.config, self.actor_class, self.rm = name, config, actor_class, rm
         self.request, self.args, self.kwargs = request, args, kwargs or {}
         self.replicas: list[Replica] = []
-        self.autoscaler: Autoscaler | None = None
+        self.autoscaler: Autoscaler | None = None  # made by `start`
         self.router = make_router(config.router)  # sessions stick there
         self.endpoints = endpoint_names(actor_class)
         self._session_ids = itertools.count()
@@ -84,12 +86,13 @@ class Service(Generic[A]):
         self._changes = Changes()  # switches, finished calls, replica states, closing
         self.on_respawn: list[Callable[[Replica], Awaitable[None]]] = []
         self._tasks: set[asyncio.Task] = set()  # respawns (or its group's restart) under way
-        self.restarts: GroupRestarts | None = None  # its resource group's (spawn_service)
+        self.restarts = restarts  # its resource group's
         self.held: str | None = None  # why routed calls wait: its group restarts
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()  # the client's Monarch context
         self._watcher = Watcher(drain=self._drain, changed=self._changes.notify,
                                 failed=self._on_failure, close=self._close_with_runtime)
+        restarts.join(self)  # refused when the group's services restart otherwise
         rm.watch(self._watcher)
 
     def __getattr__(self, name: str) -> ServiceEndpoint[..., Any]:
@@ -259,7 +262,7 @@ class Service(Generic[A]):
         leaving = replica.state is ReplicaState.DRAINING
         replica.move(ReplicaState.FAILED, why.splitlines()[0] if why else repr(err))
         if self.config.respawn and not self.closed and not leaving:
-            if self.restarts is not None and self.config.restart == "group":
+            if self.config.restart == "group":
                 self.restarts.failed(f"service {self.name!r} replica {replica.index} "
                                      f"({replica.tenant}): {replica.failure}")
                 return
@@ -268,7 +271,7 @@ class Service(Generic[A]):
 
     def _holding(self) -> bool:
         """Routed calls wait: the group restarts (calls from its restart hooks go on)."""
-        return self.held is not None and not GroupRestarts.in_hooks(self.request.resource_group)
+        return self.held is not None and not in_hooks(self.request.resource_group)
 
     def hold(self, why: str) -> None:
         """Its group restarts: every replica counts as failed and recovering (calls in
@@ -304,12 +307,7 @@ class Service(Generic[A]):
         next generation; until then, calls go to the other replicas."""
         try:
             await self.rm.remove(replica.tenant, replica.actors)
-            allocation = await self.rm.replace_procs(replica.allocation)
-            generation = replica.generation + 1
-            actors = await self.start_actors(
-                tenant_name(self.name, replica.index, generation), allocation)
-            replica.actors, replica.allocation, replica.generation = \
-                actors, allocation, generation
+            await self.start_generation(replica, await self.rm.replace_procs(replica.allocation))
             for hook in self.on_respawn:
                 await hook(replica)
             replica.move(ReplicaState.HEALTHY)
@@ -335,6 +333,16 @@ class Service(Generic[A]):
 
     # -- replicas ----------------------------------------------------------------------
 
+    async def start(self) -> None:
+        """Start `config.num_replicas` replicas, then, with min_replicas < max_replicas, an
+        autoscaler."""
+        for _ in range(self.config.num_replicas):
+            await self.add_replica()
+        if self.config.min != self.config.max:
+            self.autoscaler = Autoscaler(self.name, self.config, self.load_snapshot,
+                                         self.add_replica, self._remove_at)
+            self.autoscaler.start()
+
     async def add_replica(self) -> Replica:
         """Allocate procs in the service's resource group and start one more replica (it
         counts as starting meanwhile; one that cannot start is stopped)."""
@@ -342,7 +350,7 @@ class Service(Generic[A]):
         replica = Replica(self.name, len(self.replicas), allocation, self._changes)
         self.replicas.append(replica)
         try:
-            replica.actors = await self.start_actors(replica.tenant, allocation)
+            replica.actors = await self._start_actors(replica.tenant, allocation)
         except BaseException as err:
             self.rm.free(allocation)
             replica.move(ReplicaState.STOPPED, f"could not start: {type(err).__name__}: {err}")
@@ -350,7 +358,15 @@ class Service(Generic[A]):
         replica.move(ReplicaState.HEALTHY)
         return replica
 
-    async def start_actors(self, tenant: str, allocation: Allocation) -> Any:
+    async def start_generation(self, replica: Replica, allocation: Allocation) -> None:
+        """Start a recovering replica's next generation on `allocation` (new procs for its
+        slots), by a respawn or its group's restart; it stays recovering."""
+        generation = replica.generation + 1
+        actors = await self._start_actors(tenant_name(self.name, replica.index, generation),
+                                          allocation)
+        replica.actors, replica.allocation, replica.generation = actors, allocation, generation
+
+    async def _start_actors(self, tenant: str, allocation: Allocation) -> Any:
         """Spawn the replica's actors; a multi-proc replica first gets its torch.distributed
         environment (RANK, WORLD_SIZE, MASTER_ADDR...), read by the actors' __init__."""
         if len(allocation.slots) > 1:
@@ -374,6 +390,10 @@ class Service(Generic[A]):
             await self.rm.remove(replica.tenant, replica.actors)
         self.rm.free(replica.allocation)
         replica.move(ReplicaState.STOPPED)
+
+    async def _remove_at(self, index: int) -> None:
+        """Remove replica `index` (the autoscaler's scale-down)."""
+        await self.remove_replica(self.replicas[index])
 
     # -- switches and shutdown --------------------------------------------------------
 
@@ -419,23 +439,22 @@ class Service(Generic[A]):
                 replica.move(ReplicaState.DRAINING)
             if replica.state in (ReplicaState.DRAINING, ReplicaState.FAILED):
                 replica.move(ReplicaState.STOPPED, replica.failure)
-        self.stop_watching()
+        self._stop_watching()
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Take no new calls, let the ones in flight finish (those still running after
         `grace_s` end with `ServiceClosedError`), then stop the replicas' actors and free
         their procs (the resource group keeps its procs for other services)."""
         await self._close(grace_s, finish_respawns=True)
-        if self.restarts is not None:
-            self.restarts.leave(self)
+        self.restarts.leave(self)
         for replica in self.replicas:
             if replica.state is not ReplicaState.STOPPED:
                 await self.remove_replica(replica, grace_s)
-        self.stop_watching()
+        self._stop_watching()
 
-    def stop_watching(self) -> None:
+    def _stop_watching(self) -> None:
         """Take no more news of switches and faults from the resource manager (the service
-        is closed, or never joined its group)."""
+        is closed)."""
         self.rm.unwatch(self._watcher)
 
 

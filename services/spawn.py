@@ -7,7 +7,6 @@ from typing import Any, TypeVar
 
 from colocate.resources.manager import ResourceManager, current
 from colocate.resources.packing import ResourceRequest
-from services.autoscaler import Autoscaler
 from services.config import ServiceConfig
 from services.restart import group_restarts
 from services.service import Service
@@ -40,21 +39,7 @@ async def spawn_service(config: ServiceConfig, actor_class: type[A], *args: Any,
     request = ResourceRequest(group, config.hosts_per_replica, config.procs, config.with_gpus)
     if not rm.has_group(group):  # room for max_replicas, so scaling up finds procs
         await rm.reserve(_group_for(request, config.max, rm.gpus_per_host))
-    service = Service(name, config, actor_class, rm, request, args, kwargs)
-    restarts = group_restarts(group, rm)
-    try:
-        restarts.join(service)  # refused when the group's services restart otherwise
-    except BaseException:
-        service.stop_watching()
-        raise
-    service.restarts = restarts
-    for _ in range(config.num_replicas):
-        await service.add_replica()
-    if config.min != config.max:
-        async def remove(index: int) -> None:
-            await service.remove_replica(service.replicas[index])
-
-        service.autoscaler = Autoscaler(service.name, config, service.load_snapshot,
-                                        service.add_replica, remove)
-        service.autoscaler.start()
+    service = Service(name, config, actor_class, rm, request, group_restarts(group, rm),
+                      args, kwargs)
+    await service.start()
     return service

@@ -1,7 +1,9 @@
 """The project's import structure: imports point down the layers (examples -> services ->
 colocate), and no two modules of colocate/ or services/ import each other, directly or
 round a longer circle. Imports inside functions count (they still tie the modules at run
-time); those under `if TYPE_CHECKING:` do not (type hints only, never run)."""
+time); those under `if TYPE_CHECKING:` do not (type hints only, never run), except in the
+stricter check that no modules of colocate/, services/ and examples/rl_loop/ import each
+other even for type hints (a Protocol stands in where a type is needed)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("colocate", "services")
+HINTED = ("colocate", "services", "examples/rl_loop")  # no circle even through type hints
 LAYERS = ("colocate", "services", "examples")  # each imports only those before it
 
 
@@ -20,13 +23,14 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def project_imports(path: Path, modules: set[str]) -> set[str]:
+def project_imports(path: Path, modules: set[str], hints: bool = False) -> set[str]:
     """The project modules `path` imports (`from a.b import c` counts as a.b.c when c is a
-    module, else a.b)."""
+    module, else a.b); with `hints`, those imported under `if TYPE_CHECKING:` too."""
     found = set()
     tree = ast.parse(path.read_text())
-    type_only = {id(node) for block in ast.walk(tree) if _type_checking(block)
-                 for child in block.body for node in ast.walk(child)}
+    type_only = set() if hints else {id(node) for block in ast.walk(tree)
+                                     if _type_checking(block)
+                                     for child in block.body for node in ast.walk(child)}
     for node in ast.walk(tree):
         if id(node) in type_only:
             continue
@@ -43,9 +47,10 @@ def _type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def graph(packages: tuple[str, ...]) -> dict[str, set[str]]:
+def graph(packages: tuple[str, ...], hints: bool = False) -> dict[str, set[str]]:
     paths = {module_name(p): p for package in packages for p in (ROOT / package).rglob("*.py")}
-    return {name: project_imports(path, set(paths)) - {name} for name, path in paths.items()}
+    return {name: project_imports(path, set(paths), hints) - {name}
+            for name, path in paths.items()}
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -99,3 +104,7 @@ def test_imports_point_down_the_layers():
               for imported in imported_set
               if LAYERS.index(imported.split(".")[0]) > LAYERS.index(module.split(".")[0])]
     assert upward == []
+
+
+def test_no_modules_import_each_other_even_for_type_hints():
+    assert cycles(graph(HINTED, hints=True)) == []

@@ -48,7 +48,7 @@ import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -84,13 +84,34 @@ from colocate.engines.checkpoint_files import (  # noqa: F401  (this module's su
 )
 
 if TYPE_CHECKING:
-    from colocate.engines.trainer import PolicyTrainer
+    from colocate.arbiter.tenant import TaggedTenant
 
 # a one-proc trainer saves and loads with no_dist=True on purpose; DCP still warns that it
 # is "assuming the intent is to save in a single process", from its own thread (where a
 # catch_warnings block in the caller would not reach): silence that one message
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                         "uninitialized, assuming the intent is to", category=UserWarning)
+
+
+class Trainer(Protocol):
+    """What a checkpoint saves and loads of a trainer (a `PolicyTrainer`)."""
+
+    steps: int
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def parallel(self) -> str: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def tenancy(self) -> TaggedTenant: ...
 
 
 class _CopyStager(BlockingAsyncStager):
@@ -150,7 +171,7 @@ def _empty_like(tree: Any) -> Any:
     return tree
 
 
-def _full_shapes(trainer: PolicyTrainer) -> dict[str, tuple[int, ...]]:
+def _full_shapes(trainer: Trainer) -> dict[str, tuple[int, ...]]:
     """Hugging Face name -> full shape (a DTensor's shape is already the full one)."""
     return {name: tuple(t.shape) for name, t in trainer.model.state_dict().items()}
 
@@ -175,7 +196,7 @@ class Checkpointer:
 
     # -- the pieces every save and load share --------------------------------------------
 
-    def group(self, trainer: PolicyTrainer) -> dist.ProcessGroup | None:
+    def group(self, trainer: Trainer) -> dist.ProcessGroup | None:
         """The checkpoint's own gloo group on several ranks; None on one proc. Every rank
         makes it at its first save or load (all ranks save and load together)."""
         if trainer.parallel == "none":
@@ -185,7 +206,7 @@ class Checkpointer:
         return self._group
 
     @staticmethod
-    def _ensure_awake(trainer: PolicyTrainer, action: str) -> None:
+    def _ensure_awake(trainer: Trainer, action: str) -> None:
         try:
             trainer.tenancy.ensure_stage("weights")
             trainer.tenancy.ensure_stage("optimizer")
@@ -202,7 +223,7 @@ class Checkpointer:
 
     # -- save ----------------------------------------------------------------------------
 
-    def save(self, trainer: PolicyTrainer, path: str | os.PathLike, wait: bool = True,
+    def save(self, trainer: Trainer, path: str | os.PathLike, wait: bool = True,
              frame_dir: str | os.PathLike | None = None) -> None:
         """See `PolicyTrainer.save_checkpoint`."""
         self.wait()
@@ -308,7 +329,7 @@ class Checkpointer:
 
     # -- load ----------------------------------------------------------------------------
 
-    def load(self, trainer: PolicyTrainer, path: str | os.PathLike) -> None:
+    def load(self, trainer: Trainer, path: str | os.PathLike) -> None:
         """See `PolicyTrainer.load_checkpoint`."""
         self.wait()
         self._ensure_awake(trainer, "load")
