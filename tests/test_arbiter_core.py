@@ -23,7 +23,7 @@ from colocate.arbiter import (
     TaggedTenant,
 )
 from colocate.arbiter.local import LocalTenantHandle
-from colocate.arbiter.policy import POLICIES, least_recently_woken
+from colocate.arbiter.policy import POLICIES
 
 MiB = 1 << 20
 
@@ -265,15 +265,12 @@ def test_faults_roll_back_and_say_who_is_awake(isolated):
 
 def budget_scenario() -> dict:
     async def run():
-        import psutil
-
         made = {"small_a": make_tenant("small_a", 32, seed=1),
                 "small_b": make_tenant("small_b", 32, seed=2),
                 "big": make_tenant("big", 64, seed=3)}  # keeps the tensors alive
         for tenant, _, _ in made.values():
             tenant.sleep()
-        base = psutil.Process().memory_info().rss  # everyone asleep
-        config = ArbiterConfig(policy="budget", slot_capacity_bytes=base + 110 * MiB)
+        config = ArbiterConfig(policy="budget", slot_capacity_bytes=110 * MiB)
         arbiter = SlotArbiter([0], config)
         for name, (tenant, _, _) in made.items():
             await arbiter.register(0, LocalTenantHandle(name, tenant))
@@ -308,9 +305,9 @@ class AtMostTwoAwake:
     def has_room(self, needed_bytes, free_bytes) -> bool:
         return True
 
-    def next_victim(self, waking, awake, needed_bytes, free_bytes):
-        others = [name for name in awake if name != waking]
-        return least_recently_woken(waking, others) if len(others) >= 2 else None
+    def to_sleep(self, waking, resident, needed_bytes, free_bytes):
+        others = list(dict.fromkeys(r.tenant for r in resident if r.tenant != waking))
+        return [r for r in resident if r.tenant == others[0]] if len(others) >= 2 else []
 
 
 def third_policy_scenario() -> dict:

@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 from monarch.actor import Actor, ActorError, concurrent_endpoint, current_actor_name, endpoint
 
-from colocate.arbiter.config import ArbiterConfig
+from colocate.arbiter.config import ArbiterConfig, SlotTraffic
 from colocate.arbiter.core import SlotArbiter
 from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.pid_watch import PidWatch
@@ -349,6 +349,11 @@ class Arbiter(Actor):
     @concurrent_endpoint
     async def status(self) -> HostStatus:
         return self.core.status()
+
+    @concurrent_endpoint
+    async def traffic(self) -> dict[int, SlotTraffic]:
+        """Per slot: what its switches moved so far."""
+        return self.core.traffic()
 
     @concurrent_endpoint
     async def find_lost(self, names: list[str]) -> dict[str, str]:

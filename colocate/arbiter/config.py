@@ -1,5 +1,6 @@
 """What the arbiter is told and what it knows: `ArbiterConfig` (how strict and how patient,
-validated once) and `Slot` (one slot's tenants, who is awake, who is lost, and its lock)."""
+validated once), `Slot` (one slot's tenants, who is awake, who is lost, and its lock) and
+`SlotTraffic` (what its switches moved)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.policy import POLICIES, Policy
 from colocate.arbiter.tenant import TenantHandle, TenantInfo
 from colocate.checks import check_choice, check_int, check_number
+from colocate.memory.traffic import Traffic
 
 
 class ArbiterConfigError(ArbiterError, ValueError):
@@ -28,8 +30,10 @@ class ArbiterConfig:
     request_timeout_s: float = 300.0
     call_timeout_s: float = 120.0  # one message to a proc: a plan, or a describe
     min_verified_bytes: int = 1 << 20  # smaller releases are below measurement noise
-    slot_capacity_bytes: int | None = None  # CPU slots: the budget policy's capacity
-    headroom_bytes: int = 0  # budget policy
+    # the budget policy's capacity per slot: required on CPU slots; on a GPU, a cap below
+    # the device's own
+    slot_capacity_bytes: int | None = None
+    headroom_bytes: int = 0  # budget policy: kept free beyond what a wake needs
 
     def __post_init__(self) -> None:
         policy = None if isinstance(self.policy, Policy) \
@@ -53,6 +57,18 @@ class ArbiterConfig:
         return self.policy
 
 
+@dataclass(frozen=True)
+class SlotTraffic:
+    """What one slot's switches did so far: the bytes moved (`moved.copied_out`, `copied_in`,
+    `discarded`), how often each tenant's stage slept ("tenant/stage" -> count), and the
+    most memory the slot held right after a switch (with the awake tenant's working memory
+    on CPU slots; the device's reading on GPU slots; 0 when the policy measures nothing)."""
+
+    moved: Traffic = Traffic()
+    slept: dict[str, int] = field(default_factory=dict)
+    peak_bytes: int = 0
+
+
 @dataclass
 class Slot:
     """One slot's tenants and their awake stages, as the arbiter last knew them."""
@@ -64,6 +80,9 @@ class Slot:
     woken_order: list[str] = field(default_factory=list)  # least recently woken first
     unknown: set[str] = field(default_factory=set)  # state lost after a failure
     lost: dict[str, str] = field(default_factory=dict)  # tenant -> why: its proc died
+    extra_need: dict[str, int] = field(default_factory=dict)  # tenant -> bytes beyond declared
+    holder: str | None = None  # the tenant whose working memory a budget keeps free
+    traffic: SlotTraffic = field(default_factory=SlotTraffic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def awake_tenants(self) -> list[str]:
@@ -100,8 +119,10 @@ class Slot:
 
     def forget(self, name: str) -> None:
         """Drop every trace of tenant `name`."""
-        for table in (self.tenants, self.infos, self.awake, self.lost):
+        for table in (self.tenants, self.infos, self.awake, self.lost, self.extra_need):
             table.pop(name, None)
+        if self.holder == name:
+            self.holder = None
         self.unknown.discard(name)
         if name in self.woken_order:
             self.woken_order.remove(name)

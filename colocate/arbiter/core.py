@@ -20,34 +20,24 @@ from contextlib import asynccontextmanager
 from typing import TypeVar
 
 from colocate import telemetry
-from colocate.arbiter.config import ArbiterConfig, ArbiterConfigError, Slot
+from colocate.arbiter import room
+from colocate.arbiter.config import ArbiterConfig, ArbiterConfigError, Slot, SlotTraffic
 from colocate.arbiter.delivery import AFTER_LOSS, Courier, lose, watched
 from colocate.arbiter.errors import (
     ArbiterError,
     ArbiterTimeoutError,
-    ReleaseNotVerifiedError,
     SwitchError,
     TenantLostError,
 )
+from colocate.arbiter.explain import Explain, PlanFailed, raise_errors, step_error, switch_error
 from colocate.arbiter.handoff import handoff_error, handoff_steps
-from colocate.arbiter.plan import SLEEP, WAKE, Failure, PlanResult, Step
+from colocate.arbiter.plan import RECEIVE, SLEEP, WAKE, PlanResult, Step
 from colocate.arbiter.tenant import TenantHandle, TenantInfo
 from colocate.arbiter.undo import UndoLog
 
 __all__ = ["ArbiterConfig", "ArbiterConfigError", "PlanFailed", "Slot", "SlotArbiter"]
 
 T = TypeVar("T")
-
-
-class PlanFailed(Exception):
-    """A step of a request's plan failed (internal: the request rolls back and explains)."""
-
-    def __init__(self, failure: Failure, step: Step) -> None:
-        super().__init__(failure.cause)
-        self.failure, self.step = failure, step
-
-
-Explain = Callable[[PlanFailed, str], SwitchError]  # (the failure, the rollback's note)
 
 
 class SlotArbiter:
@@ -103,17 +93,7 @@ class SlotArbiter:
 
     def _free(self, slot: Slot) -> int | None:
         """The slot's free memory where the policy needs it, else None (nothing measured)."""
-        if not self.policy.measures:
-            return None
-        # colocated tenants share the process; a lost tenant's process is gone
-        info = next(i for n, i in slot.infos.items() if n not in slot.lost)
-        reading = telemetry.read_pid(info.pid) if info.device == "cpu" \
-            else telemetry.read_gpu_uuid(info.device)
-        capacity = reading.total_bytes or self.config.slot_capacity_bytes
-        if capacity is None:
-            raise ArbiterError(f"slot {slot.index} has no known capacity: on CPU slots the "
-                               "budget policy needs ArbiterConfig.slot_capacity_bytes")
-        return capacity - reading.used_bytes
+        return room.free_bytes(slot, self.config) if self.policy.measures else None
 
     def _check(self, slot: Slot) -> None:
         awake = slot.awake_tenants()
@@ -146,6 +126,15 @@ class SlotArbiter:
         if not plan:
             return PlanResult()
         result = await self.courier.carry_out(slot, plan, log)
+        slept = dict(slot.traffic.slept)
+        for step in plan[:result.done]:
+            if step.op == SLEEP:
+                for stage in slot.awake.get(step.tenant, ()):
+                    if step.stages is None or stage in step.stages:
+                        key = f"{step.tenant}/{stage}"
+                        slept[key] = slept.get(key, 0) + 1
+        slot.traffic = SlotTraffic(slot.traffic.moved + result.moved, slept,
+                                   slot.traffic.peak_bytes)
         if result.failure is not None:
             raise PlanFailed(result.failure, plan[result.failure.index])
         for step in plan:
@@ -191,33 +180,6 @@ class SlotArbiter:
         return "" if failure is None else f"; the rollback stopped at {failure.label}: " \
                                           f"{failure.cause}"
 
-    def _error(self, slot: Slot, failed: PlanFailed, message: str,
-               touched: Iterable[str]) -> SwitchError:
-        """The error of a failed step: lost tenants, an unverified release, or a failure."""
-        if failed.failure.kind == "lost" or any(n in slot.lost for n in touched):
-            return TenantLostError(message, slot.index, tuple(slot.lost))
-        if failed.failure.kind == "release":
-            return ReleaseNotVerifiedError(message)
-        return SwitchError(message)
-
-    def _switch_error(self, slot: Slot, waking: str | None) -> Explain:
-        """How a failed sleep or wake of a switch is told."""
-        def explain(failed: PlanFailed, note: str) -> SwitchError:
-            failure, step = failed.failure, failed.step
-            not_woken = f"; {waking} was not woken" if waking and step.tenant != waking else ""
-            if step.op == SLEEP and failure.kind == "release":
-                undone = "it was woken again" if not note else "rolling back failed"
-                text = (f"{step.tenant} slept on slot {slot.index} but {failure.cause}; "
-                        f"{undone}: {slot.who()}{not_woken}{note}")
-            elif step.op == SLEEP:
-                text = (f"{step.tenant} failed to sleep on slot {slot.index}: {failure.cause}; "
-                        f"{slot.who()}{not_woken}{note}")
-            else:
-                text = (f"{step.tenant} failed to wake {list(step.stages or ())}: "
-                        f"{failure.cause}; rolled back: {slot.who()}{note}")
-            return self._error(slot, failed, text, [step.tenant])
-        return explain
-
     # -- the requests -------------------------------------------------------------------
 
     async def register(self, index: int, handle: TenantHandle) -> TenantInfo:
@@ -236,7 +198,7 @@ class SlotArbiter:
                 if info.awake_stages and others and not self._may_stay(slot):
                     await self._request(slot, lambda log: self._attempt(
                         slot, log, [self._sleep_step(slot, name)]),
-                        self._switch_error(slot, None))
+                        switch_error(slot, None))
                 self._check(slot)
             except BaseException as err:
                 slot.forget(name)
@@ -257,7 +219,7 @@ class SlotArbiter:
         async with self._hold(chosen):
             results = await asyncio.gather(
                 *(self._wake_on(slot, name, stages) for slot in chosen), return_exceptions=True)
-        self._raise_errors(results, chosen)
+        raise_errors(results, chosen)
 
     async def sleep(self, name: str, slots: Iterable[int] | None = None) -> None:
         """Put `name` to sleep on its slots (all, or `slots`), verified by measurement."""
@@ -265,21 +227,8 @@ class SlotArbiter:
         async with self._hold(chosen):
             results = await asyncio.gather(*(self._request(
                 slot, lambda log, s=slot: self._attempt(s, log, [self._sleep_step(s, name)]),
-                self._switch_error(slot, None)) for slot in chosen), return_exceptions=True)
-        self._raise_errors(results, chosen)
-
-    def _raise_errors(self, results: list, slots: list[Slot]) -> None:
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if len(errors) == 1:
-            raise errors[0]
-        if not errors:
-            return
-        message = f"{len(errors)} of {len(slots)} slots failed: " + " | ".join(map(str, errors))
-        lost = [e for e in errors if isinstance(e, TenantLostError)]
-        if lost:  # every lost tenant is named, so the caller can mark them all failed
-            raise TenantLostError(message, lost[0].slot, tuple(
-                dict.fromkeys(name for e in lost for name in e.tenants))) from errors[0]
-        raise SwitchError(message) from errors[0]
+                switch_error(slot, None)) for slot in chosen), return_exceptions=True)
+        raise_errors(results, chosen)
 
     async def _wake_on(self, slot: Slot, name: str, stages: Sequence[str] | None) -> None:
         if name in slot.lost:
@@ -290,47 +239,67 @@ class SlotArbiter:
         unknown = [s for s in stages or () if s not in known]
         if unknown:
             raise ArbiterError(f"{name} has no stage(s) {unknown}; its stages: {known}")
-        todo = tuple(s for s in (stages or known) if s not in slot.awake.get(name, ()))
-        if not todo:
+        wanted = tuple(stages or known)
+        todo = tuple(s for s in wanted if s not in slot.awake.get(name, ()))
+        if not todo and (not self.policy.measures or slot.holder == name):
             return
-        wake = Step(WAKE, name, todo, device=slot.infos[name].device)
+        wake = [Step(WAKE, name, todo, device=slot.infos[name].device)] if todo else []
 
-        async def exclusive(log: UndoLog) -> None:  # victims known ahead: one plan
-            victims = self._victims(slot, name)
-            await self._attempt(slot, log, [*(self._sleep_step(slot, v) for v in victims),
-                                            wake])
+        async def exclusive(log: UndoLog) -> None:  # sleeps known ahead: one plan
+            chosen = self.policy.to_sleep(name, room.residents(slot, name, wanted), 0, None)
+            strays = [r for r in chosen if r.tenant == name or not slot.awake.get(r.tenant)]
+            if strays:
+                raise ArbiterError(f"the policy chose {strays[0].tenant!r} to sleep so that "
+                                   f"{name} can wake, but it is not another awake tenant: "
+                                   f"{slot.who()}")
+            await self._attempt(slot, log, [*room.sleep_steps(slot, chosen), *wake])
 
         async def measured(log: UndoLog) -> None:  # each sleep changes the free memory
-            handle = slot.tenants[name]
-            info = await self._call(f"{name}.describe", handle.describe(), slot, name)
-            slot.infos[name] = info
-            needed = info.tagged_bytes - info.resident_bytes
-            while victim := self.policy.next_victim(
-                    name, slot.awake_tenants(), needed, self._free(slot)):
-                await self._attempt(slot, log, [self._sleep_step(slot, victim)])
-            free = self._free(slot)
-            if not self.policy.has_room(needed, free):
-                room = "the policy finds no room" if free is None \
-                    else f"it needs {needed} bytes but only {free} are free"
-                raise SwitchError(f"{name} cannot wake on slot {slot.index}: {room} after "
-                                  f"the policy's sleeps: {slot.who()}")
-            await self._attempt(slot, log, [wake])
+            await self._make_room(slot, log, name, wanted, todo)
+            await self._attempt(slot, log, wake)
+            self._note_peak(slot, name)
 
         await self._request(slot, measured if self.policy.measures else exclusive,
-                            self._switch_error(slot, name))
+                            switch_error(slot, name))
         self._check(slot)
 
-    def _victims(self, slot: Slot, name: str) -> list[str]:
-        """Who the policy puts to sleep for `name` to wake, in order, when it measures
-        nothing (its answers then depend only on who is awake)."""
-        awake, victims = slot.awake_tenants(), []
-        while (victim := self.policy.next_victim(name, awake, 0, None)) is not None:
-            if victim not in awake or victim == name:
-                raise ArbiterError(f"the policy chose {victim!r} to sleep so that {name} can "
-                                   f"wake, but it is not another awake tenant: {slot.who()}")
-            victims.append(victim)
-            awake.remove(victim)
-        return victims
+    async def _describe_all(self, slot: Slot) -> None:
+        """Ask every live tenant of `slot` for its account: stage sizes change as tenants
+        allocate (a trainer's optimizer state appears at its first step)."""
+        live = [n for n in slot.tenants if n not in slot.lost]
+        infos = await asyncio.gather(*(self._call(f"{n}.describe", slot.tenants[n].describe(),
+                                                  slot, n) for n in live))
+        slot.infos.update(zip(live, infos, strict=True))
+
+    async def _make_room(self, slot: Slot, log: UndoLog, name: str, wanted: Sequence[str],
+                         todo: Sequence[str], protect: Sequence[tuple[str, str]] = (),
+                         working: bool = True) -> None:
+        """Sleep what the policy chooses until waking `todo` of `name` fits (with
+        `working`: then holding the slot for its calls, with its working memory); each
+        round of sleeps is verified and the free memory measured again. Raises
+        `SwitchError` when nothing more may sleep and it still does not fit."""
+        await self._describe_all(slot)
+        needed = room.needed_bytes(slot, name, todo, working)
+        for _ in range(len(room.residents(slot, name, wanted, protect)) + 1):
+            free = self._free(slot)
+            if self.policy.has_room(needed, free):
+                slot.holder = name if working else slot.holder
+                return
+            chosen = self.policy.to_sleep(name, room.residents(slot, name, wanted, protect),
+                                          needed, free)
+            if not chosen:
+                break
+            await self._attempt(slot, log, room.sleep_steps(slot, chosen))
+        raise SwitchError(f"{name} cannot wake on slot {slot.index}: it needs {needed} bytes "
+                          f"(its stages {list(todo)} and working memory) but only "
+                          f"{self._free(slot)} are free after the policy's sleeps: "
+                          f"{slot.who()}")
+
+    def _note_peak(self, slot: Slot, holder: str) -> None:
+        """Record what the slot holds right after a switch that `holder` now holds."""
+        t = slot.traffic
+        slot.traffic = SlotTraffic(t.moved, t.slept,
+                                   max(t.peak_bytes, room.used_bytes(slot, holder)))
 
     # -- handoff: the one moment two tenants are partly awake ----------------------------
 
@@ -346,20 +315,44 @@ class SlotArbiter:
             results = await asyncio.gather(
                 *(self._handoff_on(slot, source, target, keep, first) for slot in chosen),
                 return_exceptions=True)
-        self._raise_errors(results, chosen)
+        raise_errors(results, chosen)
         return sum(results)
 
     async def _handoff_on(self, slot: Slot, source: str, target: str, keep: Sequence[str],
                           first: Sequence[str]) -> int:
         steps = handoff_steps(slot, source, target, keep, first)
 
+        async def exclusive(log: UndoLog) -> PlanResult:
+            return await self._attempt(slot, log, list(steps))
+
+        async def measured(log: UndoLog) -> PlanResult:
+            """Only what the slot lacks moves: the target's first stages wake beside the
+            source's kept ones, it copies, then room is made for its other stages and its
+            working memory, the source's stages cheapest first (the source stays when it
+            fits)."""
+            stages = slot.infos[target].stages
+            asleep = [s for s in first if s not in slot.awake.get(target, ())]
+            await self._make_room(slot, log, target, first, asleep,
+                                  protect=[(source, s) for s in keep], working=False)
+            wake = [Step(WAKE, target, tuple(asleep), device=steps[-1].device)] if asleep \
+                else []
+            result = await self._attempt(slot, log, [*wake, Step(
+                RECEIVE, target, source=source, device=slot.infos[target].device)])
+            rest = [s for s in stages if s not in slot.awake.get(target, ())]
+            await self._make_room(slot, log, target, stages, rest)
+            if rest:
+                await self._attempt(slot, log, [Step(WAKE, target, tuple(rest),
+                                                     device=slot.infos[target].device)])
+            self._note_peak(slot, target)
+            return result
+
         def explain(failed: PlanFailed, note: str) -> SwitchError:
             text = handoff_error(slot, source, target, first, failed.failure, failed.step,
                                  note)
-            return self._error(slot, failed, text, [source, target])
+            return step_error(slot, failed, text, [source, target])
 
         result = await self._request(
-            slot, lambda log: self._attempt(slot, log, list(steps)), explain)
+            slot, measured if self.policy.measures else exclusive, explain)
         self._check(slot)
         return result.copied
 
@@ -388,6 +381,10 @@ class SlotArbiter:
             found.update({name: f"{name} lost on slot {slot.index}: {why}"
                           for name, why in slot.lost.items()})
         return found
+
+    def traffic(self) -> dict[int, SlotTraffic]:
+        """Per slot: what its switches moved so far (`SlotTraffic`)."""
+        return {slot.index: slot.traffic for slot in self.slots.values()}
 
     def status(self) -> dict[int, dict[str, list[str] | None]]:
         """Per slot: tenant -> its awake stages ([] asleep; None when unknown or lost)."""

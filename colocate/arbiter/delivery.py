@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from colocate import telemetry
+from colocate import memory, telemetry
 from colocate.arbiter.config import ArbiterConfig, Slot
 from colocate.arbiter.errors import ArbiterTimeoutError, TenantLostError
 from colocate.arbiter.plan import (
@@ -132,6 +132,7 @@ class Courier:
                 part = await self._send(slot, runner, self.plan(segment, remote=True))
             total.done = offset + part.done
             total.copied += part.copied
+            total.moved += part.moved
             total.infos.update(part.infos)
             total.unknown += part.unknown
             if part.failure is not None:
@@ -195,7 +196,7 @@ class Courier:
 
     async def _run_here(self, slot: Slot, plan: Plan) -> PlanResult:
         """The plan's steps run from here, each tenant call watched (see module)."""
-        steps = execute(plan)
+        steps, moved = execute(plan), memory.traffic()
         label = plan.steps[0].label() if plan.steps else ""
         answer: Any = None
         thrown: BaseException | None = None
@@ -207,6 +208,7 @@ class Courier:
                 if result.failure is not None and isinstance(result.failure.error,
                                                              TenantLostError):
                     result.failure.kind = "lost"
+                result.moved = memory.traffic().since(moved)  # its tenants live here
                 return result
             answer, thrown = None, None
             try:

@@ -34,8 +34,9 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from colocate import telemetry
+from colocate import memory, telemetry
 from colocate.arbiter.tenant import TenantInfo
+from colocate.memory.traffic import Traffic
 
 SLEEP, WAKE, RECEIVE, RESTORE = "sleep", "wake", "receive", "restore"
 RELEASE_POLL_S = 0.002  # how often a release check reads the memory again
@@ -105,6 +106,7 @@ class PlanResult:
 
     done: int = 0  # steps completed
     copied: int = 0  # bytes copied by receive steps
+    moved: Traffic = Traffic()  # what its sleeps and wakes moved to and from host memory
     infos: dict[str, TenantInfo] = field(default_factory=dict)  # restore: each tenant's account
     unknown: list[str] = field(default_factory=list)  # restore: tenants that could not say
     failure: Failure | None = None
@@ -240,7 +242,7 @@ def run_here(plan: Plan, find: Callable[[str], Any]) -> PlanResult:
     """Run `plan` in this process: `find(name)` gives the object whose `sleep`, `wake`,
     `receive` and `describe` are tenant `name`'s own (they wait for its calls in flight).
     The answer carries errors as text (their classes may not load where it goes)."""
-    began = time.perf_counter()
+    began, moved = time.perf_counter(), memory.traffic()
     steps = execute(plan)
     answer: Any = None
     thrown: BaseException | None = None
@@ -264,6 +266,7 @@ def run_here(plan: Plan, find: Callable[[str], Any]) -> PlanResult:
             thrown = err
     if result.failure is not None:
         result.failure.error = None
+    result.moved = memory.traffic().since(moved)
     clock.plans += 1
     clock.seconds += time.perf_counter() - began
     return result

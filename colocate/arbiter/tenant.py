@@ -32,6 +32,13 @@ class TenantInfo:
     awake_stages: tuple[str, ...]
     resident_bytes: int  # held now
     tagged_bytes: int  # held when fully awake
+    stage_bytes: Mapping[str, int] = field(default_factory=dict)  # each stage, awake
+    kept: tuple[str, ...] = ()  # stages whose contents a sleep copies to host memory
+    working_bytes: int = 0  # what its calls allocate beyond its stages, declared or learned
+
+    def size(self, stage: str) -> int:
+        """The bytes `stage` holds when awake (0 when the tenant does not say)."""
+        return self.stage_bytes.get(stage, 0)
 
 
 class Tenancy(Protocol):
@@ -84,11 +91,14 @@ class TaggedTenant:
     `stages` maps each stage to its tag, in wake order; `backup` says per stage whether its
     contents survive a sleep (weights: yes; caches: no). `name` is the tenant's name at the
     arbiter, for messages (default: the tags' common prefix, "trainer" for "trainer/weights").
+    `working_bytes` is what its calls allocate beyond its stages (activations, a transient
+    KV cache): a budget wakes it only with that much free besides.
     """
 
     stages: Mapping[str, str]
     backup: Mapping[str, bool] = field(default_factory=dict)
     name: str | None = None
+    working_bytes: int = 0
     _lost: set[str] = field(default_factory=set, init=False, repr=False)
 
     def region(self, stage: str, device: str | torch.device | None = None):
@@ -194,6 +204,10 @@ class TaggedTenant:
             awake_stages=self.awake_stages(),
             resident_bytes=sum(memory.resident_bytes(self.stages[s]) for s in known),
             tagged_bytes=sum(memory.tagged_bytes(self.stages[s]) for s in known),
+            stage_bytes={s: memory.tagged_bytes(self.stages[s]) if s in known else 0
+                         for s in self.stages},
+            kept=tuple(s for s in self.stages if self.backup.get(s, True)),
+            working_bytes=self.working_bytes,
         )
 
 

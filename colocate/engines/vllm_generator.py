@@ -270,7 +270,8 @@ class NativeSleep(VLLMTenancy):
         return TenantInfo(pid=self.pid, device=telemetry.device_uuid(torch.cuda.current_device()),
                           stages=STAGES, awake_stages=awake,
                           resident_bytes=sum(self.nbytes[s] for s in awake),
-                          tagged_bytes=sum(self.nbytes.values()))
+                          tagged_bytes=sum(self.nbytes.values()), stage_bytes=self.nbytes,
+                          kept=("weights",))  # level 1 keeps them in host memory
 
 
 def _no_teardown_at_exit(llm: vllm.LLM) -> None:

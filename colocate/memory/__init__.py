@@ -39,6 +39,7 @@ from colocate.memory.errors import (
     UnknownTagError,
 )
 from colocate.memory.registry import TagRegistry, TagState
+from colocate.memory.traffic import Traffic
 
 _registry = TagRegistry()
 
@@ -106,6 +107,12 @@ def tagged_bytes(tag: str) -> int:
     return _registry.tagged_bytes(tag)
 
 
+def traffic() -> Traffic:
+    """What this process's pauses and resumes moved so far: bytes copied to host backup
+    and back, and bytes discarded (tags without backup)."""
+    return _registry.traffic.total()
+
+
 def tags() -> list[str]:
     """Every tag of this process, sorted."""
     return _registry.tags()
@@ -114,7 +121,7 @@ def tags() -> list[str]:
 __all__ = [
     "CudaSetupError", "ResumeOutOfMemoryError", "TagConflictError", "TagPausedError",
     "TagState", "TagStateError",
-    "TaggedMemoryError", "UnknownTagError", "adopt", "check_allocator_conf",
+    "TaggedMemoryError", "Traffic", "UnknownTagError", "adopt", "check_allocator_conf",
     "ensure_active", "pause", "pausing_together", "preload_env", "region", "release_cached",
-    "resident_bytes", "resume", "state", "tagged_bytes", "tags",
+    "resident_bytes", "resume", "state", "tagged_bytes", "tags", "traffic",
 ]

@@ -34,6 +34,7 @@ from colocate.memory.errors import (
 )
 from colocate.memory.repoint import Held, complete
 from colocate.memory.storages import Capture, collect_held, revive
+from colocate.memory.traffic import TrafficCounter
 
 
 class TagState(enum.Enum):
@@ -126,6 +127,7 @@ class TagRegistry:
         self._in_region = threading.local()
         self._open: dict[str, list[str]] = {}  # tag -> threads with a region of it open
         self._unfinished: list[Callable[[], None]] | None = None  # pauses held together
+        self.traffic = TrafficCounter()  # what pauses and resumes moved
 
     # -- backends and tags ------------------------------------------------------------
 
@@ -290,6 +292,7 @@ class TagRegistry:
                     f"({', '.join(done) or 'nothing'} rolled back): {err}"
                 ) from err
             record.state = TagState.PAUSED
+            self.traffic.paused(held, record.backup)
             return held
 
     def resume(self, tag: str) -> None:
@@ -310,6 +313,7 @@ class TagRegistry:
                         f"resume({tag!r}) may be retried: {err}"
                     ) from err
                 record.resumed.add(device_type)
+                self.traffic.resumed(nbytes, record.backup)
             record.resumed.clear()
             record.state = TagState.ACTIVE
 

@@ -29,7 +29,7 @@ import monarch.actor
 from monarch.actor import Actor
 
 from colocate.arbiter.actor import HostStatus, TenantActor
-from colocate.arbiter.config import ArbiterConfig
+from colocate.arbiter.config import ArbiterConfig, SlotTraffic
 from colocate.arbiter.tenant import TenantInfo
 from colocate.checks import check_int
 from colocate.monarch_compat import mesh_name
@@ -148,8 +148,9 @@ class ResourceManager:
 
     async def spawn(self, name: str, actor_class: type[Actor], allocation: Allocation,
                     *args: Any, **kwargs: Any) -> Any:
-        """Spawn `actor_class` on the allocation's procs. A `TenantActor` is registered with
-        its hosts' arbiters (and put to sleep where another tenant is awake).
+        """Spawn `actor_class` on the allocation's procs. A `TenantActor` on time-shared procs
+        is registered with its hosts' arbiters (and put to sleep where another tenant is
+        awake); on procs of a group without GPUs it takes no slot and never sleeps.
 
         An actor that cannot start (its class does not import in the procs, a tenant's
         `__init__` raises, its process dies) raises one `SpawnError` naming it and the
@@ -167,14 +168,14 @@ class ResourceManager:
         actors = allocation.procs.spawn(name, actor_class, *args, **kwargs)
         try:
             tenant = issubclass(actor_class, TenantActor)
-            if tenant:
+            if tenant:  # it checks its own start, time-shared or not
                 await check_started(actors, name, actor_class, list(allocation.slots),
                                     allocation.group)
             self.faults.track(name, await mesh_name(actors), tuple(
                 (host, pid) for (host, _), pid in zip(allocation.slots, allocation.pids,
                                                       strict=True)))
             self._watch_procs()
-            if tenant:
+            if tenant and allocation.timeshared:
                 await self.switchboard.register(name, actors, allocation)
                 self._tenant_actors[name] = (actors, allocation.procs_per_host)
         except BaseException:
@@ -238,9 +239,11 @@ class ResourceManager:
         """Make `name` awake on all its slots; its hosts switch in parallel.
 
         Every switch goes through this manager, which keeps the arbiters' view after it: a
-        tenant awake since then, alive, with no switch in flight that may put it to sleep,
-        is left as it is without a call."""
-        if self.switchboard.is_tenant(name) and self.routable(name):
+        tenant awake since then, alive, with no switch in flight that may put it to sleep
+        (and, under a policy that measures, the last one woken on its slots), is left as it
+        is without a call."""
+        if self.switchboard.is_tenant(name) and self.routable(name) \
+                and self.switchboard.holds(name):
             return
         await self.switchboard.wake(name, stages)
 
@@ -262,6 +265,11 @@ class ResourceManager:
             return False
         return not self.switchboard.is_tenant(name) or self.switchboard.awake_now(name)
 
+    def failure(self, name: str) -> str | None:
+        """Why the actors spawned as `name` failed (their proc died, an actor crashed);
+        None while they have not."""
+        return self.faults.why(name)
+
     def awake_tenants(self) -> list[str]:
         """The tenants awake on all their slots, as of the last switch."""
         return self.switchboard.awake_tenants()
@@ -273,6 +281,11 @@ class ResourceManager:
     async def status(self) -> dict[int, HostStatus]:
         """host -> slot -> tenant -> awake stages ([] asleep, None unknown)."""
         return await self.switchboard.status()
+
+    async def traffic(self) -> dict[int, dict[int, SlotTraffic]]:
+        """host -> slot -> what its switches moved so far (`SlotTraffic`: bytes copied to
+        host memory and back, bytes discarded, each stage's sleeps, the peak held)."""
+        return await self.switchboard.traffic()
 
     async def usage(self, timeout_s: float = 10.0
                     ) -> dict[int, dict[int, dict[str, TenantInfo | None]]]:

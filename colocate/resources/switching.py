@@ -19,7 +19,7 @@ from typing import Any
 
 from colocate.abortable import Abortable
 from colocate.arbiter.actor import Arbiter, HostStatus, remote_errors
-from colocate.arbiter.config import ArbiterConfig
+from colocate.arbiter.config import ArbiterConfig, SlotTraffic
 from colocate.arbiter.errors import ArbiterError, SwitchAbortedError, TenantLostError
 from colocate.resources.groups import Allocation
 from colocate.resources.procs import SlotProcs, bootstrap_command, rank_of, select, stop_procs
@@ -39,6 +39,10 @@ class Switchboard:
         self.stages: dict[str, tuple[str, ...]] = {}  # name -> its stages
         self.pids: dict[str, dict[tuple[int, int], int]] = {}  # name -> (host, slot) -> pid
         self.awake: dict[str, bool] = {}  # name -> fully awake on all its slots (last view)
+        # under a policy that measures: (host, slot) -> the tenant last woken there, whose
+        # working memory the arbiter kept free (another awake tenant's wake still asks it)
+        self.holders: dict[tuple[int, int], str] = {}
+        self.measures = config.make_policy().measures
         self.host_status: dict[int, HostStatus] = {}  # the arbiters' answers, last view
         self.watchers: list[Watcher] = []  # drain and changed
         self._switching: Counter[str] = Counter()
@@ -107,6 +111,7 @@ class Switchboard:
         """Forget a tenant here only (its arbiters no longer know it, or its slots are gone)."""
         for table in (self.tenants, self.stages, self.pids, self.awake):
             table.pop(name, None)
+        self.holders = {slot: n for slot, n in self.holders.items() if n != name}
 
     def forget_slots(self, slots: set[tuple[int, int]]) -> list[str]:
         """Forget the tenants on any of `slots` (their procs were stopped); returns them."""
@@ -137,9 +142,22 @@ class Switchboard:
         """Make `name` awake on all its slots; its hosts switch in parallel. (The caller
         skips a tenant that is `awake_now`.)"""
         by_host = self._by_host(name)
-        await self._switch(self._neighbours(name), lambda: {
+        await self._holding(name, self._switch(self._neighbours(name), lambda: {
             h: self.arbiter(h).wake.call_one(name, slots, stages)
-            for h, slots in by_host.items()})
+            for h, slots in by_host.items()}))
+
+    def holds(self, name: str) -> bool:
+        """Whether `name` holds its slots' working memory (always, when the policy does
+        not measure): then a wake of it, awake, has nothing to do."""
+        return not self.measures or all(self.holders.get(s) == name
+                                        for s in self.tenants.get(name, ()))
+
+    async def _holding(self, name: str, switch: Awaitable[None]) -> None:
+        """Run a switch that leaves `name` holding its slots (unknown if it fails)."""
+        for slot in self.tenants[name]:
+            self.holders.pop(slot, None)
+        await switch
+        self.holders.update(dict.fromkeys(self.tenants[name], name))
 
     async def sleep(self, name: str) -> None:
         """Put `name` to sleep on all its slots, verified."""
@@ -175,8 +193,9 @@ class Switchboard:
             copied += moved
             return status
 
-        await self._switch(self._neighbours(target) | {source},
-                           lambda: {h: on(h, slots) for h, slots in by_host.items()})
+        await self._holding(target, self._switch(
+            self._neighbours(target) | {source},
+            lambda: {h: on(h, slots) for h, slots in by_host.items()}))
         return copied
 
     def _neighbours(self, name: str) -> set[str]:
@@ -253,7 +272,15 @@ class Switchboard:
 
     async def status(self) -> dict[int, HostStatus]:
         """host -> slot -> tenant -> awake stages ([] asleep, None unknown)."""
-        found = await self._arbiters.status.call()
+        return await self._each_host("status")
+
+    async def traffic(self) -> dict[int, dict[int, SlotTraffic]]:
+        """host -> slot -> what its switches moved so far."""
+        return await self._each_host("traffic")
+
+    async def _each_host(self, endpoint: str) -> dict[int, Any]:
+        """host -> what its arbiter's `endpoint` answers."""
+        found = await getattr(self._arbiters, endpoint).call()
         return {point["hosts"] if "hosts" in dict(point) else 0: value
                 for point, value in found.items()}
 
