@@ -176,9 +176,9 @@ class GroupRestarts:
         for service in services:
             service.end_hold()
         for service, replica in started:  # a new proc that died before it was HEALTHY
-            if self.rm.faults.has_failed(replica.tenant):  # fails now: the next restart
+            if (why := self.rm.failure(replica.tenant)) is not None:  # the next restart
                 service.fail_replica(replica, f"its proc died during the group's restart: "
-                                              f"{self.rm.faults.why(replica.tenant)}")
+                                              f"{why}")
 
     @staticmethod
     def _recovering(service: GroupMember) -> list[Replica]:

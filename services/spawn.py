@@ -16,8 +16,10 @@ A = TypeVar("A")
 
 
 def _group_for(replica: ResourceRequest, replicas: int, gpus_per_host: int) -> ResourceRequest:
-    """A new group's shape: `replicas` replicas side by side on each host, then more hosts."""
-    per_host = max(1, min(replicas, gpus_per_host // replica.procs_per_host))
+    """A new group's shape: `replicas` replicas side by side on each host (as many as its
+    GPUs allow; without GPUs, all of them), then more hosts."""
+    fit = gpus_per_host // replica.procs_per_host if replica.with_gpus else replicas
+    per_host = max(1, min(replicas, fit))
     host_rows = -(-replicas // per_host)
     return ResourceRequest(replica.resource_group, replica.hosts * host_rows,
                            replica.procs_per_host * per_host, replica.with_gpus)

@@ -34,7 +34,8 @@ class Allocation:
     slice with dims (hosts, gpus); `pids` the procs' process ids, in the same order.
     `replacement` is True for new procs started for the slots of procs that died
     (`Groups.replace`): the owner still holds the group's cells for those slots through
-    its first allocation.
+    its first allocation. `timeshared` is False in a group placed without GPUs: its procs
+    take no slot, so their tenants never take turns with a GPU's (or a CPU slot's) tenants.
     """
 
     group: str
@@ -45,6 +46,7 @@ class Allocation:
     procs_per_host: int
     replacement: bool = False
     pids: tuple[int, ...] = ()
+    timeshared: bool = True
 
 
 @dataclass
@@ -142,7 +144,8 @@ class Groups:
         return Allocation(allocation.group, allocation.owner, procs,
                           tuple(group.slot(h, p) for h, p in cells), allocation.hosts,
                           allocation.procs_per_host,
-                          pids=tuple(group.pids[h * shape.procs_per_host + p] for h, p in cells))
+                          pids=tuple(group.pids[h * shape.procs_per_host + p] for h, p in cells),
+                          timeshared=allocation.timeshared)
 
     async def allocate(self, request: ResourceRequest, owner: str) -> Allocation:
         """A slice of the group's procs for `owner`, first fit among the procs that `owner`
@@ -168,7 +171,8 @@ class Groups:
                 slots = tuple(group.slot(h, p) for h, p in sorted(cells))
                 pids = tuple(group.pids[h * shape.procs_per_host + p] for h, p in sorted(cells))
                 return Allocation(request.resource_group, owner, procs, slots,
-                                  request.hosts, request.procs_per_host, pids=pids)
+                                  request.hosts, request.procs_per_host, pids=pids,
+                                  timeshared=shape.with_gpus)
         raise ResourceError(
             f"{owner!r} already uses every proc of resource group {request.resource_group!r} "
             f"that a {request.hosts} x {request.procs_per_host} slice could take; release one "
@@ -199,7 +203,8 @@ class Groups:
         self.replacements.append(started)
         remove_files_of(allocation.pids)  # of the procs that died; live ones keep theirs
         return Allocation(allocation.group, allocation.owner, started.procs, slots,
-                          allocation.hosts, per_host, replacement=True, pids=started.pids)
+                          allocation.hosts, per_host, replacement=True, pids=started.pids,
+                          timeshared=allocation.timeshared)
 
     async def release(self, name: str, grace_s: float) -> Group:
         """Stop the group's procs and give its GPUs back; returns what it was."""
