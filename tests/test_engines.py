@@ -26,8 +26,11 @@ from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
 from colocate.engines.trainer import NonFiniteGradientsError, PolicyTrainer
 from colocate.engines.weights import (
+    ALONE_BYTES,
     StaleWeightsError,
     WeightStream,
+    copy_plan,
+    copy_weights,
     digest,
     export_weights,
     read_exported,
@@ -327,6 +330,84 @@ def test_a_stream_of_existing_tensors_is_one_bucket():
     stream = WeightStream.of(pairs)
     assert [len(b) for b in stream.buckets()] == [len(pairs)]
     assert stream.specs["0.weight"] == ((64, 64), torch.float32)
+
+
+def test_a_sync_plans_its_copy_once_and_walks_the_model_again_when_a_tensor_changes():
+    """The copy's plan (where each name is in the model) is made at the first sync and
+    kept; a replaced tensor, a `.data` of another shape or a new module makes a new one,
+    and every name and shape is still checked before anything is written."""
+    model, source = mlp(10), mlp(11)
+    assert copy_weights(model, source.state_dict().items()) == sum(
+        t.numel() * 4 for t in source.state_dict().values())
+    assert digest(model.state_dict().items()) == digest(source.state_dict().items())
+    plan = copy_plan(model)
+    copy_weights(model, mlp(12).state_dict().items())
+    assert copy_plan(model) is plan  # kept across syncs
+    assert digest(model.state_dict().items()) == digest(mlp(12).state_dict().items())
+
+    replaced = torch.nn.Parameter(torch.zeros(64, 64))
+    model[0].weight = replaced  # a new tensor object under the same name
+    copy_weights(model, source.state_dict().items())
+    assert copy_plan(model) is not plan
+    assert model[0].weight is replaced and torch.equal(replaced, source[0].weight)
+
+    before = digest(model.state_dict().items())
+    model[1].weight.data = torch.zeros(8, 64)  # same object, another shape: 16 rows given
+    with pytest.raises(ValueError, match=r"nothing was written.*1.weight: \(16, 64\) != "
+                                         r"\(8, 64\)"):
+        copy_weights(model, source.state_dict().items())
+    assert digest((n, t) for n, t in model.state_dict().items() if n != "1.weight") == \
+        digest((n, t) for n, t in source.state_dict().items() if n != "1.weight")
+    model[1].weight.data = torch.zeros(16, 64)
+    copy_weights(model, source.state_dict().items())
+
+    plan = copy_plan(model)
+    model.add_module("2", torch.nn.Linear(16, 4))  # a new name the sync must give
+    with pytest.raises(ValueError, match=r"nothing was written\): missing \['2.bias', "
+                                         r"'2.weight'\]"):
+        copy_weights(model, source.state_dict().items())
+    assert copy_plan(model) is not plan
+    assert digest(model.state_dict().items()) != before  # the last good sync stayed
+
+
+def test_a_bucket_copies_small_tensors_together_large_ones_alone_and_any_dtype(
+        monkeypatch):
+    """Small tensors of one dtype pair go through one `_foreach_copy_`, large ones and
+    other dtypes or layouts through `copy_`: all arrive, converted where the model's
+    dtype differs; a tied target fed from one source is written once."""
+    big = ALONE_BYTES // 4 + 1  # fp32 elements over the bound
+
+    class Mixed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.small = torch.nn.Parameter(torch.zeros(3, 5))
+            self.low = torch.nn.Parameter(torch.zeros(7, dtype=torch.bfloat16))
+            self.bias = torch.nn.Parameter(torch.zeros(5))
+            self.large = torch.nn.Parameter(torch.zeros(big))
+            self.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+            self.head = torch.nn.Linear(5, 3, bias=False)
+            self.head.weight = self.small  # tied: two names, one tensor
+
+    model = Mixed()
+    given = {"small": torch.randn(3, 5), "low": torch.randn(7), "bias": torch.randn(5),
+             "large": torch.randn(big), "steps": torch.tensor([4, 5]),
+             "head.weight": None}
+    given["head.weight"] = given["small"]
+    stream = WeightStream({n: (tuple(t.shape), t.dtype) for n, t in given.items()},
+                          lambda: iter([list(given.items())[:3], list(given.items())[3:]]))
+    together = []
+    foreach_copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda targets, sources: (
+        together.append(len(targets)), foreach_copy(targets, sources)))
+    copy_weights(model, stream)
+    assert together == [2]  # small and bias; the bf16 one, the int64 one, the large one alone
+    assert torch.equal(model.small, given["small"]) and model.head.weight is model.small
+    assert torch.equal(model.low, given["low"].bfloat16())
+    assert torch.equal(model.large, given["large"]) and torch.equal(model.bias, given["bias"])
+    assert model.steps.tolist() == [4, 5]
+    other = {**given, "head.weight": torch.randn(3, 5)}  # the tie given two values
+    copy_weights(model, other.items())
+    assert torch.equal(model.small, other["head.weight"])  # the later name wins, as before
 
 
 # -- the staged handoff through the arbiter ---------------------------------------------------
