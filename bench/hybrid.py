@@ -159,7 +159,7 @@ async def sync_part(parallel: str, args: argparse.Namespace) -> dict[str, Any]:
     from colocate import init, phase
     from colocate.engines.actors import GeneratorActor, TrainerActor
     from examples.rl_loop.config import load_config
-    from examples.rl_loop.loop import model_dir
+    from examples.rl_loop.runtime import model_dir
     from services import ServiceConfig, spawn_service, sync_weights
 
     cfg = load_config(overrides=[*DEFAULTS, *args.overrides, f"trainer.parallel={parallel}",

@@ -220,3 +220,40 @@ def test_run_wandb_without_wandb_installed_says_how(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
     with pytest.raises(RuntimeError, match="pip install wandb"):
         RunRecord(config={}, wandb_dir=tmp_path)
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["two_tenants", "with_a_reference"])
+def test_the_step_clock_gives_each_figure_its_definition(monkeypatch, reference):
+    """`timing.StepClock`'s figures, from the readings of the clock a step takes at the end
+    of each of its parts: each phase's own time; switch_s the waits for the generator's,
+    the reference's and the trainer's wakes; step_s the wall time to the end of the sync,
+    less the readings; readings_s every reading, the last one (after the sync) included."""
+    from examples.rl_loop import timing
+
+    t = [0.0, 0.1, 0.3, 1.3, 1.7, 1.9, 2.0, 2.6, 2.8, 2.85, 3.85, 3.95, 4.25, 4.3]
+    start, woken, generating, generated, scored, ref_woken, referencing, referenced, \
+        trainer_woken, training, trained, kept, synced, end = t
+    laps = ["switch", "readings", "generate", "score", "reference_switch", "readings",
+            "reference", "switch", "readings", "train", "save", "sync", "readings"]
+    if not reference:  # no reference: its three readings of the clock are not taken
+        t = t[:5] + t[8:]
+        ref_woken = referencing = referenced = scored
+        laps = laps[:4] + laps[7:]
+    reads = iter(t)
+    monkeypatch.setattr(timing.time, "monotonic", lambda: next(reads))
+    clock = timing.StepClock()
+    for span in laps:
+        clock.lap(span)
+    readings = (generating - woken) + (referencing - ref_woken) + (training - trainer_woken)
+    expected = {
+        "generate_s": generated - generating, "score_s": scored - generated,
+        "reference_s": referenced - referencing, "reference_switch_s": ref_woken - scored,
+        "train_s": trained - training, "save_s": kept - trained,
+        "switch_s": (woken - start) + (ref_woken - scored) + (trainer_woken - referenced),
+        "switch_ahead_s": 0.5, "sync_s": synced - kept, "step_s": synced - start - readings,
+        "readings_s": readings + (end - synced)}
+    got = clock.metrics(switch_ahead_s=0.5)
+    assert list(got) == list(expected)  # metrics.json keeps this order
+    assert got == pytest.approx(expected, abs=1e-12)
+    with pytest.raises(ValueError, match="no span 'generation'"):
+        clock.lap("generation")

@@ -24,26 +24,45 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
-from examples.rl_loop.state import LoopState, identity
+from examples.rl_loop.config import RLConfig
+from examples.rl_loop.record import RunRecord
+from examples.rl_loop.state import Checkpoints, LoopState, identity
 from services import RestartEvent
 from services.restart import GroupRestarts
-
-if TYPE_CHECKING:
-    from examples.rl_loop.loop import Loop
 
 logger = logging.getLogger(__name__)
 RESTART_SEEN_S = 3.0  # a failed step waits this long for its group's restart to begin
 
 
-class Recovery:
-    """The loop's side of its trainer group's restarts."""
+class Recovering(Protocol):
+    """What the recovery uses of the loop (`loop.Loop`)."""
 
-    def __init__(self, loop: Loop, restarts: GroupRestarts) -> None:
-        self.loop, self.restarts = loop, restarts
+    cfg: RLConfig
+    record: RunRecord
+    checkpoints: Checkpoints
+    sampler: Any  # the task's prompt sampler: state_dict() / load_state_dict()
+    sampler_start: dict[str, Any]  # its state before any step
+
+    async def load(self, checkpoint: Path | None) -> None: ...
+
+
+class Recovery:
+    """The loop's side of its trainer group's restarts, once it `follow`s them."""
+
+    restarts: GroupRestarts
+
+    def __init__(self, loop: Recovering) -> None:
+        self.loop = loop
         self.stepping: asyncio.Future | None = None  # the step under way
         self.events = 0  # restarts seen when the step under way began
+
+    def follow(self, restarts: GroupRestarts) -> None:
+        """Go on after each of `restarts` (the trainer's group's, followed before its
+        services are spawned): a restart first abandons the step under way."""
+        self.restarts = restarts
         restarts.on_restart.append(self._abandon_step)
 
     async def run(self, step: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:

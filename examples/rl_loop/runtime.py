@@ -1,0 +1,184 @@
+"""The services the loop runs on: this module's one job is to start the runtime on the
+run's slots and spawn the trainer, the generator and (with `grpo.beta > 0`) the reference
+on them, each with its restart policy; load a checkpoint into the trainer and give its
+weights to the generator (and to a respawned generator replica before it serves); spread
+a batch over the generator's replicas, seeded per request; wake a service ahead of its
+turn; and shut it all down. `Loop` is built on `Runtime`: the GRPO step is in `loop.py`.
+`model_dir` writes (or names) the initial policy that every engine loads."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from colocate import init, phase
+from colocate.engines.actors import GeneratorActor, TrainerActor
+from colocate.engines.sampling import SamplingParams
+from colocate.engines.tiny import write_tiny_model
+from examples.rl_loop import task
+from examples.rl_loop.config import RLConfig
+from examples.rl_loop.data import Row
+from examples.rl_loop.recovery import Recovery
+from examples.rl_loop.reference import spawn_reference
+from services import (
+    Service,
+    ServiceConfig,
+    group_restarts,
+    spawn_service,
+    sync_weights,
+)
+from services.replica import Replica
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def model_dir(cfg: RLConfig, out: Path, alphabet: str = task.ALPHABET) -> Path:
+    """The initial policy's Hugging Face directory, which every engine loads: `model.path`,
+    or a tiny random model over the task's characters (`alphabet`: the digit task's, or
+    every character of the user's data) written under `out` (as base_model/: `out/model` is
+    the trained one)."""
+    m = cfg.model
+    if m.path is not None:
+        return Path(m.path)
+    return write_tiny_model(out / "base_model", m.architecture, alphabet=alphabet,
+                            hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
+                            kv_heads=m.kv_heads, intermediate_size=m.intermediate_size,
+                            max_positions=m.max_positions, init_std=m.init_std, seed=m.seed)
+
+
+class Runtime:
+    """The runtime and the run's services: the trainer, the generator and, with
+    grpo.beta > 0, the reference. The subclass (`Loop`) sets `model_dir` (the initial
+    policy, `model_dir()`) once it knows the task's characters, and `recovery` (what the run
+    does after a lost proc), which `start` has follow the trainer's group."""
+
+    model_dir: Path
+    recovery: Recovery
+
+    def __init__(self, cfg: RLConfig) -> None:
+        self.cfg = cfg
+        # transformers' per-load progress bars (here and in the procs) would bury the loop's
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        self.reference: Service | None = None
+        self.training = asyncio.Lock()  # held from a train step through its weight sync
+        self.resyncs = 0  # generator replicas given the weights after a respawn
+
+    async def start(self, checkpoint: Path | None = None) -> None:
+        """Start the runtime and both services; the trainer loads `checkpoint` when given;
+        then the generator gets the trainer's weights."""
+        run = self.cfg.run
+        # the procs unpickle this example's loss function: they need the repo on their path
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        # vLLM logs each weight load at INFO, once a step, over the progress bar
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        path = str(self.model_dir)
+        slots = run.slots if run.colocate else 2 * run.slots
+        self.rm = await init("local", gpus_per_host=slots)
+        groups = ("rl", "rl") if run.colocate else ("train", "generate")
+        # a lost trainer proc restarts the trainer's whole group, whose services come back
+        # in the same processes as before, and the loop reloads its last checkpoint
+        # (`recovery.Recovery`); with run.max_restarts=0 the trainer does not come back: a trainer
+        # back at step 0 would be a silent restart
+        self.recovery.follow(group_restarts(groups[0]))
+        restart = {"restart": "group"} if run.max_restarts else {"respawn": False}
+        self.trainer = await spawn_service(
+            ServiceConfig(procs_per_host=run.slots, resource_group=groups[0], **restart),
+            TrainerActor, path, lr=self.cfg.grpo.lr,
+            max_grad_norm=self.cfg.grpo.max_grad_norm, name="trainer",
+            **vars(self.cfg.trainer))
+        config, options = self._generator_service(groups[1], restart)
+        self.generator = await spawn_service(config, GeneratorActor, path,
+                                             name="generator", **options)
+        self.generator.on_respawn.append(self._resync)
+        if self.cfg.grpo.beta > 0:
+            self.reference = await spawn_reference(self.cfg, path, groups[0], restart)
+        await self.load(checkpoint)
+
+    async def load(self, checkpoint: Path | None) -> None:
+        """The trainer loads `checkpoint` (None: it keeps the weights it has), then the
+        generator gets the trainer's weights (and ends awake)."""
+        if checkpoint is not None:
+            async with phase(self.trainer):
+                await self.trainer.load_checkpoint.route(str(checkpoint / "trainer"))
+        await sync_weights(self.trainer, self.generator)
+
+    def _generator_service(self, group: str, restart: dict[str, Any]
+                           ) -> tuple[ServiceConfig, dict[str, Any]]:
+        """The generator's service config and engine options. The torch engine: one
+        replica per slot; vLLM on several slots: one replica over all of them (tp x dp
+        ranks, called SPMD), the node-scale hybrid engine. Beside the trainer it takes the
+        trainer's restart policy (one per group); on slots of its own, a lost replica is
+        respawned alone and given the weights (`_resync`)."""
+        run, options = self.cfg.run, {"engine": self.cfg.run.engine}
+        shared = run.colocate and restart.get("restart") == "group"
+        shape = {"resource_group": group, **(restart if shared else {})}
+        if run.engine == "torch":
+            # every wake comes with the trainer's weights (a sync): keep none across sleeps
+            config = ServiceConfig(num_replicas=run.slots, **shape)
+            options["keep_weights"] = False
+        elif run.slots == 1:
+            config = ServiceConfig(**shape)
+        else:
+            tp = self.cfg.generator.tensor_parallel_size
+            config = ServiceConfig(procs_per_host=run.slots, **shape)
+            options.update(tensor_parallel_size=tp, data_parallel_size=run.slots // tp)
+        return config, options
+
+    async def _resync(self, replica: Replica) -> None:
+        """A generator replica came back from a failure with the initial weights: give it
+        the trainer's before it takes a call (never while a train step or a sync runs)."""
+        async with self.training:
+            await sync_weights(self.trainer, self.generator, [replica])
+        self.resyncs += 1
+
+    async def stop(self) -> None:
+        """Shut the runtime down, every service with it."""
+        await self.rm.shutdown()
+
+    def services(self) -> dict[str, Service]:
+        """The run's services by tenant name."""
+        named = {"trainer": self.trainer, "generator": self.generator}
+        return named if self.reference is None else {**named, "reference": self.reference}
+
+    async def generate(self, prompts: list[Row], params: SamplingParams, copies: int
+                       ) -> tuple[list[list[int]], list]:
+        """`copies` completions per prompt, spread over the generator's replicas."""
+        tokens = [p.tokens for p in prompts for _ in range(copies)]
+        chunks = max(1, len(self.generator.replicas))
+        size = -(-len(tokens) // chunks)
+        parts = await asyncio.gather(*(
+            self.generator.generate.route(tokens[i:i + size], self._seeded(params, i))
+            for i in range(0, len(tokens), size)))
+        return tokens, [c for part in parts for c in part]
+
+    @staticmethod
+    def _seeded(params: SamplingParams, first: int) -> SamplingParams:
+        """`params` for the prompts from index `first` on: request i of the whole batch is
+        seeded with seed + i, whichever replica serves it, so a run repeats exactly."""
+        return params if params.seed is None else dataclasses.replace(params,
+                                                                       seed=params.seed + first)
+
+
+def switch_ahead(target: Service) -> asyncio.Future[float]:
+    """Start waking `target`, a step's next phase, ahead of its turn (while the step does
+    what needs neither); the future gives how long the switch took (the step waits only for
+    what is left of it)."""
+    async def wake() -> float:
+        began = time.monotonic()
+        async with phase(target):  # it stays awake after: the step's own phase is free
+            pass
+        return time.monotonic() - began
+
+    return asyncio.ensure_future(wake())
+
+
+def drop(ahead: asyncio.Future) -> None:
+    """End a switch started ahead for a step that failed before it was needed (its error,
+    if any, is the step's failure's consequence: retrieved here, not logged)."""
+    ahead.cancel()
+    ahead.add_done_callback(lambda done: done.cancelled() or done.exception())
