@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 
@@ -619,20 +620,20 @@ def test_pools_kept_alive_at_exit_are_never_finalized(tmp_path):
     assert runs["keep"].returncode == 0 and runs["keep"].stdout == "", runs["keep"]
 
 
-def test_a_pinned_backup_restores_every_storage_and_reuses_its_buffer():
+def test_a_pinned_backup_restores_every_storage_and_reuses_its_memory():
     from colocate.memory.pinned import PinnedBackup
 
     backup = PinnedBackup(pin=False)  # the CUDA backend's; CPU storages stand in here
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g)
-               for n in (3, 4096, 1 << 20)]
+               for n in (3, 4096, 1 << 20, 5 << 20, 0)]
     wide = torch.randn(1000, generator=g, dtype=torch.float64)
     view = wide[10:20]  # a view: its storage is the whole of `wide`'s, saved once
     storages = [t.untyped_storage() for t in (*tensors, wide)]
     expected = [t.clone() for t in (*tensors, wide)]
-    backup.save("w", storages)
-    buffer = backup.buffers["w"]
-    assert buffer.numel() == sum(s.nbytes() for s in storages)
+    backup.save("w", storages)  # not reserved: the save grows it
+    chunks = list(backup.tags["w"].chunks)
+    assert backup.capacity("w") == sum(s.nbytes() for s in storages)
     for t in (*tensors, wide):
         t.zero_()  # what an unmapped and mapped-again allocation may hold
     backup.restore("w")
@@ -640,15 +641,89 @@ def test_a_pinned_backup_restores_every_storage_and_reuses_its_buffer():
     assert torch.equal(view, expected[-1][10:20])
     assert "w" not in backup.saved
     backup.restore("w")  # nothing saved: nothing to do
-    backup.save("w", storages[:2])  # smaller: the same buffer
-    assert backup.buffers["w"].data_ptr() == buffer.data_ptr()
-    bigger = torch.ones(buffer.numel() + 1, dtype=torch.uint8)
-    backup.save("w", [bigger.untyped_storage()])  # larger: a new one
-    assert backup.buffers["w"].numel() == bigger.numel()
+    backup.save("w", storages[:2])  # smaller: the same memory
+    assert backup.tags["w"].chunks == chunks
+    bigger = torch.ones(backup.capacity("w") + 1, dtype=torch.uint8)
+    backup.save("w", [bigger.untyped_storage()])  # larger: one byte more, not a new copy
+    assert [c.numel() for c in backup.tags["w"].chunks] == [chunks[0].numel(), 1]
     backup.drop("w")  # a pause that did not happen: nothing is restored
     bigger.zero_()
     backup.restore("w")
     assert int(bigger.sum()) == 0
+
+
+def test_a_backed_up_tag_is_pinned_as_it_gets_memory_and_its_pause_only_copies(monkeypatch):
+    """`claim` (a region's end) and `adopt` pin a backed-up tag's host memory for its
+    storages; the pause then copies into it and pins nothing. A tag without backup pins
+    nothing. The host memory follows the tag's live bytes: storages let go make room for
+    new ones."""
+    from colocate.memory import pinned
+    from colocate.memory.repoint import Held
+
+    pinned_now: list[int] = []
+    make = pinned.pinned_host
+
+    def counted(nbytes: int, pin: bool = True) -> torch.Tensor:
+        pinned_now.append(nbytes)
+        return make(nbytes, pin)
+
+    monkeypatch.setattr(pinned, "pinned_host", counted)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # no CUDA here
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    saver = _Saver(None)
+    saver.region = lambda tag, enable_cpu_backup: contextlib.nullcontext()
+    backend = _cuda_backend(saver, 1 << 40)
+    weights = [torch.randn(1000), torch.randn(10)]
+    backend.claim("w", [t.untyped_storage() for t in weights], backup=True)
+    assert pinned_now == [4040]
+    backend.claim("cache", [torch.zeros(4096).untyped_storage()], backup=False)
+    assert pinned_now == [4040]  # no backup: nothing pinned
+    optimizer = torch.randn(300)
+    held = [Held(optimizer.untyped_storage(), [optimizer])]
+    backend.adopt("w", held, backup=True)  # as `memory.adopt` moves it under the tag
+    assert pinned_now == [4040, 1200]
+    expected = [t.clone() for t in (*weights, optimizer)]
+    live = [t.untyped_storage() for t in (*weights, optimizer)]
+    backend.backup.save("w", live)  # the pause's copy
+    assert pinned_now == [4040, 1200]  # nothing pinned at the pause
+    for t in (*weights, optimizer):
+        t.zero_()
+    backend.backup.restore("w")
+    assert all(torch.equal(t, e) for t, e in zip((*weights, optimizer), expected, strict=True))
+    del weights[0], live  # 4000 bytes let go...
+    backend.claim("w", [torch.ones(900).untyped_storage()], backup=True)
+    assert pinned_now == [4040, 1200]  # ...hold the 3600 new ones
+
+
+def test_many_small_storages_cross_in_staged_batches_over_chunk_boundaries(monkeypatch):
+    """Storages under `SMALL_BYTES` are gathered into staging batches of at most
+    `STAGE_BYTES` (one `_foreach_copy_` each way) and each batch is copied as one span of
+    the tag's memory, across the chunks its growth made; every byte comes back."""
+    from colocate.memory import pinned
+
+    monkeypatch.setattr(pinned, "SMALL_BYTES", 256)
+    monkeypatch.setattr(pinned, "STAGE_BYTES", 1000)
+    together: list[int] = []
+    foreach_copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda targets, sources: (
+        together.append(len(targets)), foreach_copy(targets, sources)))
+    backup = pinned.PinnedBackup(pin=False)
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g)
+               for n in [100] * 25 + [300, 700, 7]]
+    storages = [t.untyped_storage() for t in tensors]
+    for i in range(0, len(storages), 5):  # grown in five steps: five chunks
+        backup.reserve("many", storages[i:i + 5 + 1])
+    assert len(backup.tags["many"].chunks) > 2
+    assert backup.capacity("many") == sum(s.nbytes() for s in storages)
+    expected = [t.clone() for t in tensors]
+    backup.save("many", storages)
+    assert together == [10, 10, 6]  # 26 small ones in batches of at most 1000 bytes
+    for t in tensors:
+        t.zero_()
+    backup.restore("many")
+    assert together == [10, 10, 6] * 2
+    assert all(torch.equal(t, e) for t, e in zip(tensors, expected, strict=True))
 
 
 def test_a_failed_copy_back_leaves_the_tag_paused_with_its_backup_for_a_retry(monkeypatch):

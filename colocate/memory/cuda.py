@@ -14,7 +14,8 @@ it frees memory outside a region. The registry checks every transition first; th
 module checks free device memory before a resume, keeps the memory pools alive at exit,
 and warms cuBLAS before the first region. A backed-up tag's bytes are kept in pinned host
 memory (`pinned.PinnedBackup`), not by torch_memory_saver's own CPU backup (0.06x of a
-pinned copy on an H200).
+pinned copy on an H200); that memory is pinned as the tag gets its CUDA memory (a region's
+end, `adopt`), so that a pause only copies.
 
 A tag's CUDA memory lives on the device that was current when it got it: torch_memory_saver
 tags only the current device's allocations (in torch mode its memory pool is per device),
@@ -26,6 +27,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -249,7 +251,10 @@ class CudaBackend:
 
     def claim(self, tag: str, storages: list[torch.UntypedStorage],
               backup: bool) -> list[torch.UntypedStorage]:
-        """Region allocations already live in torch_memory_saver's memory."""
+        """Region allocations already live in torch_memory_saver's memory; a backed-up
+        tag's host memory is pinned for them now (`PinnedBackup.reserve`)."""
+        if backup:
+            self._reserve(tag, storages)
         return storages
 
     def adopt(self, tag: str, held: list[Held], backup: bool) -> list[torch.UntypedStorage]:
@@ -262,7 +267,20 @@ class CudaBackend:
                 del target
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        if backup:  # pinned now, not at the first pause
+            self._reserve(tag, moved)
         return moved
+
+    def _reserve(self, tag: str, storages: list[torch.UntypedStorage]) -> None:
+        """Pin the host memory of a backed-up tag's new storages. It never fails the
+        region or the adoption (whose storages the registry must still track): where
+        pinning fails now, the pause pins what is missing, or fails, rolled back."""
+        try:
+            self.backup.reserve(tag, storages)
+        except Exception as err:
+            warnings.warn(f"tag {tag!r}: could not pin {sum(s.nbytes() for s in storages)} "
+                          f"bytes of host memory for its backup now ({err}); its next "
+                          "pause pins them", RuntimeWarning, stacklevel=3)
 
     def pause(self, tag: str, backup: bool, device: int,
               storages: list[torch.UntypedStorage]) -> None:
