@@ -21,12 +21,17 @@ CUDA (torch_memory_saver, when torch sees a GPU): the same with a CUDA tensor; b
   raw read = host->device, memcpy = device->device; every timing is bracketed by
   `torch.cuda.synchronize()`.
 
+With `--tensor-kib 0,64` each size is measured twice: as one tensor (0), and as the same
+bytes in tensors of 64 KiB each (a tag of many small tensors: 4096 of them in 256 MiB),
+against the same raw copies of the bytes in one piece.
+
 Targets (PASS/FAIL per row): released fraction >= 0.99; backup pause and resume bandwidth
 >= 0.8x the raw write and raw read bandwidth; discard pause <= 50 ms per GiB (CPU only).
 GB/s are 1e9 bytes per second. Python's GC is off during each timed call, as in timeit.
+Each row is printed as soon as its size is measured (a run stopped early keeps its rows).
 
     python bench/memory.py [--sizes 64,256,1024,2048] [--device cpu|cuda] [--repeats 3]
-                           [--out runs/bench_memory]
+                           [--tensor-kib 0] [--out runs/bench_memory]
 """
 
 from __future__ import annotations
@@ -154,10 +159,12 @@ def _raw_cuda(reference: torch.Tensor, host: torch.Tensor, target: torch.Tensor,
 
 
 def _backup(nbytes: int, repeats: int, device: str, read: Callable[[], int],
-            samples: Samples) -> None:
-    """backup=True cycles of random bytes, each checked and followed by the raw baselines."""
-    tensor = _random_bytes(nbytes, device)
-    reference = tensor.clone()  # resident in both readings around a pause, so it cancels out
+            samples: Samples, piece: int = 0) -> None:
+    """backup=True cycles of random bytes (one tensor, or tensors of `piece` bytes), each
+    checked and followed by the raw baselines on the bytes in one piece."""
+    reference = _random_bytes(nbytes, device)  # resident in both readings: it cancels out
+    pieces = list(reference.split(piece)) if piece else [reference]
+    tensors = [p.clone() for p in pieces]  # a storage each
     baseline: Callable[[], None]
     if device == "cuda":
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -166,10 +173,11 @@ def _backup(nbytes: int, repeats: int, device: str, read: Callable[[], int],
     else:
         backup_dir = os.environ.get("COLOCATE_BACKUP_DIR") or tempfile.gettempdir()
         baseline = partial(_raw_cpu, reference, backup_dir, samples)
-    memory.adopt(tensor, "bench", backup=True)
+    memory.adopt(tensors, "bench", backup=True)
     for i in range(repeats):
         _cycle("bench", nbytes, read, device == "cuda", samples)
-        _check(tensor, reference, f"{nbytes // MIB} MiB on {device}, cycle {i + 1}")
+        _check(torch.cat(tensors) if piece else tensors[0], reference,
+               f"{nbytes // MIB} MiB on {device}, cycle {i + 1}")
         baseline()
 
 
@@ -187,12 +195,13 @@ def _gpu_used() -> int:
     return telemetry.read_gpu(torch.cuda.current_device()).used_bytes
 
 
-def measure(size_mib: int, device: str, repeats: int) -> Samples:
-    """Every sample for one size on `device`; runs in a child process."""
+def measure(size_mib: int, device: str, repeats: int, tensor_kib: int = 0) -> Samples:
+    """Every sample for one size on `device` (the backed-up bytes in tensors of
+    `tensor_kib` KiB, or one tensor for 0); runs in a child process."""
     nbytes = size_mib * MIB
     read = _gpu_used if device == "cuda" else telemetry.process_rss
     samples = _empty_samples()
-    _backup(nbytes, repeats, device, read, samples)  # its tensors are freed on return
+    _backup(nbytes, repeats, device, read, samples, tensor_kib << 10)  # freed on return
     if device == "cuda":
         torch.cuda.empty_cache()
     _discard(nbytes, repeats, device, read, samples)
@@ -201,7 +210,8 @@ def measure(size_mib: int, device: str, repeats: int) -> Samples:
 
 # -- results ---------------------------------------------------------------------------------
 
-def summarise(size_mib: int, device: str, samples: Samples) -> dict[str, Any]:
+def summarise(size_mib: int, device: str, samples: Samples,
+              tensor_kib: int = 0) -> dict[str, Any]:
     """One row: medians, bandwidths, ratios and verdicts."""
     nbytes = size_mib * MIB
     med = {key: statistics.median(values) for key, values in samples.items()}
@@ -209,6 +219,7 @@ def summarise(size_mib: int, device: str, samples: Samples) -> dict[str, Any]:
             for key in ("pause", "resume", "raw_write", "raw_read", "memcpy")}
     row: dict[str, Any] = {
         "size_mib": size_mib,
+        "tensors": -(-nbytes // (tensor_kib << 10)) if tensor_kib else 1,
         "device": device,
         "pause_ms": med["pause_s"] * 1e3,
         "resume_ms": med["resume_s"] * 1e3,
@@ -237,6 +248,7 @@ def summarise(size_mib: int, device: str, samples: Samples) -> dict[str, Any]:
 
 COLUMNS = [  # header, row key, format
     ("size MiB", "size_mib", "{}"),
+    ("tensors", "tensors", "{}"),
     ("pause ms", "pause_ms", "{:.1f}"),
     ("resume ms", "resume_ms", "{:.1f}"),
     ("pause GB/s", "pause_gbps", "{:.2f}"),
@@ -253,19 +265,39 @@ COLUMNS = [  # header, row key, format
 ]
 
 
+HEADER = [name for name, _, _ in COLUMNS] + ["verdicts"]
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    return ([fmt.format(row[key]) for _, key, fmt in COLUMNS]
+            + [" ".join(f"{k}:{'PASS' if ok else 'FAIL'}" for k, ok in row["verdicts"].items())])
+
+
+def _render(cells: list[str], widths: list[int]) -> str:
+    return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+
+def _rule(widths: list[int]) -> str:
+    return "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of the rows, one line each, with the verdicts last."""
-    header = [name for name, _, _ in COLUMNS] + ["verdicts"]
-    lines = [[fmt.format(row[key]) for _, key, fmt in COLUMNS]
-             + [" ".join(f"{k}:{'PASS' if ok else 'FAIL'}" for k, ok in row["verdicts"].items())]
-             for row in rows]
-    widths = [max(len(cell) for cell in column) for column in zip(header, *lines, strict=True)]
+    lines = [_cells(row) for row in rows]
+    widths = [max(len(cell) for cell in column) for column in zip(HEADER, *lines, strict=True)]
+    return "\n".join([_render(HEADER, widths), _rule(widths),
+                      *(_render(line, widths) for line in lines)])
 
-    def render(cells: list[str]) -> str:
-        return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) + " |"
 
-    rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
-    return "\n".join([render(header), rule, *map(render, lines)])
+def table_head() -> str:
+    """The table's header and rule, printed before any row is measured (`table_row`)."""
+    widths = [len(name) for name in HEADER]
+    return "\n".join([_render(HEADER, widths), _rule(widths)])
+
+
+def table_row(row: dict[str, Any]) -> str:
+    """One row of the table under `table_head`, printed as soon as it is measured."""
+    return _render(_cells(row), [len(name) for name in HEADER])
 
 
 def machine(device: str) -> dict[str, Any]:
@@ -294,13 +326,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"),
                         default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tensor-kib", default="0",
+                        help="KiB per tensor of the backed-up bytes, comma-separated; "
+                             "0: one tensor")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_memory"))
     args = parser.parse_args(argv)
     sizes = [int(size) for size in args.sizes.split(",") if size.strip()]
+    pieces = [int(kib) for kib in args.tensor_kib.split(",") if kib.strip()]
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
     if args.repeats < 1 or not sizes or min(sizes) < 1:
         parser.error("--repeats and every size must be >= 1")
+    if not pieces or min(pieces) < 0:
+        parser.error("--tensor-kib: sizes >= 0 (0: one tensor)")
 
     info = machine(args.device)
     command = shlex.join(sys.orig_argv)
@@ -309,20 +347,23 @@ def main(argv: list[str] | None = None) -> int:
               f"{info['backup_dir']} | command: {command}")
     print(header, flush=True)
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     context = mp.get_context("spawn")
-    for size in tqdm(sizes, desc="sizes", unit="size"):
-        with context.Pool(1) as pool:  # a fresh process per size: clean RSS readings
-            samples = pool.apply(measure, (size, args.device, args.repeats))
-        rows.append(summarise(size, args.device, samples))
-
-    print(table(rows))
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"header": header, "machine": info, "command": command,
-               "repeats": args.repeats, "rows": rows,
-               "targets": {"released_min": MIN_RELEASED, "vs_raw_min": MIN_VS_RAW,
-                           "discard_pause_ms_per_gib_max": MAX_DISCARD_MS_PER_GIB}}
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    print(table_head(), flush=True)
+    for size, kib in tqdm([(size, kib) for size in sizes for kib in pieces], desc="sizes",
+                          unit="size"):
+        with context.Pool(1) as pool:  # a fresh process per size: clean RSS readings
+            samples = pool.apply(measure, (size, args.device, args.repeats, kib))
+        rows.append(summarise(size, args.device, samples, kib))
+        tqdm.write(table_row(rows[-1]))  # now: a run stopped later keeps it
+        sys.stdout.flush()
+        results = {"header": header, "machine": info, "command": command,
+                   "repeats": args.repeats, "rows": rows,
+                   "targets": {"released_min": MIN_RELEASED, "vs_raw_min": MIN_VS_RAW,
+                               "discard_pause_ms_per_gib_max": MAX_DISCARD_MS_PER_GIB}}
+        (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    print(f"\n{table(rows)}")
     print(f"results: {args.out / 'results.json'}")
     return 0
 
