@@ -134,7 +134,7 @@ def test_when_a_copy_is_needed_the_fewest_bytes_cross(isolated):
     assert out["train"]["trainer"] == ["optimizer", "weights", "grads"]
     assert out["train_moved"].copied_in == 8 * MiB
     assert out["trainer_intact"] and out["gen_weights"] == 1.0
-    assert out["slept"]["trainer/weights"] == 2
+    assert out["slept"]["trainer", "weights"] == 2
     assert out["peak"] <= 32 * MiB
 
 

@@ -60,12 +60,12 @@ class ArbiterConfig:
 @dataclass(frozen=True)
 class SlotTraffic:
     """What one slot's switches did so far: the bytes moved (`moved.copied_out`, `copied_in`,
-    `discarded`), how often each tenant's stage slept ("tenant/stage" -> count), and the
+    `discarded`), how often each tenant's stage slept ((tenant, stage) -> count), and the
     most memory the slot held right after a switch (with the awake tenant's working memory
     on CPU slots; the device's reading on GPU slots; 0 when the policy measures nothing)."""
 
     moved: Traffic = Traffic()
-    slept: dict[str, int] = field(default_factory=dict)
+    slept: dict[tuple[str, str], int] = field(default_factory=dict)
     peak_bytes: int = 0
 
 

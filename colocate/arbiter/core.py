@@ -131,8 +131,7 @@ class SlotArbiter:
             if step.op == SLEEP:
                 for stage in slot.awake.get(step.tenant, ()):
                     if step.stages is None or stage in step.stages:
-                        key = f"{step.tenant}/{stage}"
-                        slept[key] = slept.get(key, 0) + 1
+                        slept[step.tenant, stage] = slept.get((step.tenant, stage), 0) + 1
         slot.traffic = SlotTraffic(slot.traffic.moved + result.moved, slept,
                                    slot.traffic.peak_bytes)
         if result.failure is not None:
@@ -273,12 +272,14 @@ class SlotArbiter:
 
     async def _make_room(self, slot: Slot, log: UndoLog, name: str, wanted: Sequence[str],
                          todo: Sequence[str], protect: Sequence[tuple[str, str]] = (),
-                         working: bool = True) -> None:
+                         working: bool = True, describe: bool = True) -> None:
         """Sleep what the policy chooses until waking `todo` of `name` fits (with
         `working`: then holding the slot for its calls, with its working memory); each
         round of sleeps is verified and the free memory measured again. Raises
-        `SwitchError` when nothing more may sleep and it still does not fit."""
-        await self._describe_all(slot)
+        `SwitchError` when nothing more may sleep and it still does not fit. With
+        `describe`, the tenants' sizes are asked first (else: known in this request)."""
+        if describe:
+            await self._describe_all(slot)
         needed = room.needed_bytes(slot, name, todo, working)
         for _ in range(len(room.residents(slot, name, wanted, protect)) + 1):
             free = self._free(slot)
@@ -339,7 +340,7 @@ class SlotArbiter:
             result = await self._attempt(slot, log, [*wake, Step(
                 RECEIVE, target, source=source, device=slot.infos[target].device)])
             rest = [s for s in stages if s not in slot.awake.get(target, ())]
-            await self._make_room(slot, log, target, stages, rest)
+            await self._make_room(slot, log, target, stages, rest, describe=False)
             if rest:
                 await self._attempt(slot, log, [Step(WAKE, target, tuple(rest),
                                                      device=slot.infos[target].device)])

@@ -18,6 +18,7 @@ section validates itself when built.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from examples.rl_loop.task import TaskConfig
 
 DEFAULT = Path(__file__).with_name("config.yaml")
 ENGINES = ("torch", "vllm")
+POLICIES = ("budget", "exclusive")  # the arbiter's (colocate.arbiter.policy)
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,8 @@ class RunConfig:
     # none: start anew (the checkpoints of an earlier run there are removed); or a directory
     export_every: int = 0  # also write out/model every N steps (0: at the end only)
     max_restarts: int = 3  # a lost proc: restart the slots, reload the last checkpoint
+    policy: str = "budget"  # budget: only what a slot lacks moves; exclusive: one awake a slot
+    slot_memory: str = "auto"  # a slot's capacity in bytes (or KiB/MiB/GiB); auto: see budget.py
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -124,6 +128,12 @@ class RunConfig:
                 raise ValueError(f"run.{name}={getattr(self, name)}: must be >= 0")
         if not self.resume:
             raise ValueError("run.resume='': use auto, none or a checkpoint directory")
+        if self.policy not in POLICIES:
+            raise ValueError(f"run.policy={self.policy!r}: use one of {POLICIES}")
+        if self.slot_memory != "auto" and not re.fullmatch(
+                r"\d+(\.\d+)?(KiB|MiB|GiB)?|\d+", str(self.slot_memory).strip()):
+            raise ValueError(f"run.slot_memory={self.slot_memory!r}: give bytes (e.g. "
+                             "4000000000 or 4GiB) or auto")
 
 
 @dataclass(frozen=True)

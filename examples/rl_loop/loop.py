@@ -31,6 +31,7 @@ from tqdm import tqdm
 from colocate import phase
 from colocate.engines.models import load_tokenizer
 from colocate.engines.sampling import SamplingParams
+from examples.rl_loop.budget import StepTraffic, budget_summary
 from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.data import Row
 from examples.rl_loop.memory import ProcPeaks, devices_of, resident_per_proc
@@ -180,7 +181,10 @@ class Loop(Runtime, Saves):
             await sync_weights(self.trainer, self.generator)
         clock.lap("sync")
         await self._readings("sync", clock)
-        row = {"step": index, **stats, **metrics, **clock.metrics(switch_ahead_s=ahead_s)}
+        moves = await self.moves.since_last(self.services())  # what the switches moved
+        clock.lap("readings")
+        row = {"step": index, **stats, **metrics, **clock.metrics(switch_ahead_s=ahead_s),
+               **moves}
         if (index + 1) % cfg.run.eval_every == 0 or index + 1 == cfg.run.steps:
             row["eval_reward"] = await self.evaluate(f"the evaluation after step {index}")
         return row
@@ -227,13 +231,16 @@ class Loop(Runtime, Saves):
         summary = summarize(self.record.steps, engine=self.cfg.run.engine, devices=devices,
                             generator_respawns=self.resyncs, resumed_at=first_step or None,
                             restarts=len(self.record.restarts), task=self.source.summary,
-                            peaks=None if self.reference is None else self.peaks)
+                            peaks=None if self.reference is None else self.peaks,
+                            budget=budget_summary(self.cfg, self.arbiter, self.model_dir))
         self.record.write(self.out, summary)
         return summary
 
     async def _train(self, first_step: int) -> None:
         """Steps `first_step` to run.steps - 1 (from 0: after the untrained evaluation)."""
         await self._readings("start")
+        self.moves = StepTraffic(self.rm)
+        await self.moves.since_last(self.services())  # the start's own are not a step's
         if first_step == 0:
             async with phase(self.generator):
                 untrained = await self.evaluate("the untrained evaluation")

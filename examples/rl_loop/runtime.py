@@ -15,11 +15,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from colocate import init, phase
 from colocate.engines.actors import GeneratorActor, TrainerActor
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
 from examples.rl_loop import task
+from examples.rl_loop.budget import arbiter_config
 from examples.rl_loop.config import RLConfig
 from examples.rl_loop.data import Row
 from examples.rl_loop.recovery import Recovery
@@ -78,7 +81,8 @@ class Runtime:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         path = str(self.model_dir)
         slots = run.slots if run.colocate else 2 * run.slots
-        self.rm = await init("local", gpus_per_host=slots)
+        self.arbiter = arbiter_config(self.cfg, self.model_dir, torch.cuda.is_available())
+        self.rm = await init("local", gpus_per_host=slots, arbiter=self.arbiter)
         groups = ("rl", "rl") if run.colocate else ("train", "generate")
         # a lost trainer proc restarts the trainer's whole group, whose services come back
         # in the same processes as before, and the loop reloads its last checkpoint

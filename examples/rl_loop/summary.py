@@ -14,9 +14,12 @@ from examples.rl_loop.memory import ProcPeaks
 
 def summarize(steps: list[dict[str, Any]], *, engine: str, devices: dict[str, Any],
               generator_respawns: int, resumed_at: int | None, restarts: int,
-              task: dict[str, Any], peaks: ProcPeaks | None) -> dict[str, Any]:
+              task: dict[str, Any], peaks: ProcPeaks | None, budget: dict[str, Any]
+              ) -> dict[str, Any]:
     """The summary of a run whose rows are `steps` (the first: the untrained evaluation);
-    `peaks`, the procs' memory peaks, only for a run with a reference (grpo.beta > 0)."""
+    `peaks`, the procs' memory peaks, only for a run with a reference (grpo.beta > 0);
+    `budget`, the slots' policy and capacity (`budget.budget_summary`), joined by the bytes
+    the switches copied per step (out to host memory and back in) and the most a slot held."""
     first, *steps = steps
     step_s = sum(s["step_s"] for s in steps)
     summary = {
@@ -30,6 +33,10 @@ def summarize(steps: list[dict[str, Any]], *, engine: str, devices: dict[str, An
         "resumed_at": resumed_at,
         "restarts": restarts,
         **task,
+        **budget,
+        "bytes_moved_per_step": sum(s.get("copied_out_bytes", 0) + s.get("copied_in_bytes", 0)
+                                    for s in steps) / len(steps),
+        "slot_peak_bytes": max((s.get("slot_peak_bytes", 0) for s in steps), default=0),
     }
     if peaks is not None:
         # the reference's turn: its forward pass and the one more switch it takes
