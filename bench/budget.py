@@ -3,7 +3,8 @@ three slot capacities, against the exclusive policy on the same seed.
 
 Capacities, from the tenants' estimated sizes (examples/rl_loop/budget.py): "ample" (twice
 what all hold: nothing need sleep), "tight" (0.9x what all hold: they cannot all be awake),
-"exclusive" (the largest tenant alone). Per run: the bytes copied per step between slot
+"exclusive" (the largest tenant alone, with 1% to spare: the estimate leaves out buffers).
+Per run: the bytes copied per step between slot
 memory and its host backup (out and in; discarded bytes and in-place syncs do not count)
 against the fewest the capacity requires (`required_per_step`), the switch share of the
 step time, the most a slot held after a switch against its capacity, and the final eval
@@ -35,7 +36,7 @@ def capacities(overrides: list[str], work: Path) -> dict[str, int]:
     sizes = tenant_sizes(cfg, model_dir(cfg, work))
     totals = [sum(b for b, _ in stages.values()) for stages in sizes.values()]
     return {"ample": 2 * sum(totals), "tight": int(0.9 * sum(totals)),
-            "exclusive": max(totals)}
+            "exclusive": int(1.01 * max(totals))}
 
 
 def run_loop(overrides: list[str], out: Path) -> dict:

@@ -27,8 +27,10 @@ STEPS, MARGIN = 150, 0.3
 
 
 async def test_grpo_beats_the_untrained_policy_and_writes_plots(tmp_path, monkeypatch):
+    # the exclusive policy: the generator must sleep for the trainer, whose wake is under way
+    # while the completions are scored (the budget policy may keep both awake)
     cfg = load_config(overrides=[f"run.steps={STEPS}", f"run.eval_every={STEPS}",
-                                 f"run.out={tmp_path}"])
+                                 f"run.out={tmp_path}", "run.policy=exclusive"])
     loop = Loop(cfg)
     generator_awake_while_scoring = []
     score = DigitTask.score

@@ -37,20 +37,25 @@ STAGES = {
 }
 
 
-def weight_bytes(model_dir: Path) -> int:
-    """The bytes of the model's parameters (tied ones once), built on the meta device."""
+def parameters(model_dir: Path) -> tuple[int, int]:
+    """The bytes of the model's parameters and how many tensors hold them (tied ones
+    once), built on the meta device."""
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
+    params = list(model.parameters())  # tied: once
+    return sum(p.numel() * p.element_size() for p in params), len(params)
 
 
 def tenant_sizes(cfg: RLConfig, model_dir: Path) -> dict[str, dict[str, tuple[int, bool]]]:
-    """tenant -> stage -> (bytes, kept across a sleep), estimated (see module)."""
-    weights = weight_bytes(model_dir)
+    """tenant -> stage -> (bytes, kept across a sleep), estimated (see module); AdamW also
+    keeps a float32 step count per parameter tensor."""
+    weights, tensors = parameters(model_dir)
     tenants = ["trainer", "generator"] + (["reference"] if cfg.grpo.beta > 0 else [])
-    return {t: {s: (units * weights, kept) for s, (units, kept) in STAGES[t].items()}
-            for t in tenants}
+    sizes = {t: {s: (units * weights, kept) for s, (units, kept) in STAGES[t].items()}
+             for t in tenants}
+    sizes["trainer"]["optimizer"] = (2 * weights + 4 * tensors, True)
+    return sizes
 
 
 def parse_bytes(value: str) -> int:
