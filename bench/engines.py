@@ -174,6 +174,9 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench_engines/results.json")
     args = parser.parse_args()
     machine, command = announce()
+    if torch.cuda.is_available():  # which kind of GPU each figure came from
+        machine["device"] = torch.cuda.get_device_name(0)
+        print(f"device: {machine['device']}")
     model_dir = str(write_tiny_model(
         Path(tempfile.mkdtemp()) / "model", "llama", alphabet="0123456789+=>",
         hidden_size=args.dim, layers=args.layers, heads=args.dim // 64,

@@ -3,12 +3,21 @@
 # Monarch and vLLM are not there). Two steps:
 #   here:   bash tests/gpu/device.sh fetch     # wheels + Monarch for Python 3.12 into .whl/
 #                                              # (git-ignored; carry: [".whl"])
-#   device: bash tests/gpu/device.sh run       # with .whl carried, in one 10-minute call:
-#           tests/gpu (the runtime through Monarch on the GPUs, the RL loop on one GPU, the
-#           memory layer), then the RL loop at ~0.5 B parameters (its switch share on a GPU),
-#           bench/memory.py --device cuda and the trainer -> generator handoff of 1.7 GB;
-#           writes $OUT/summary.md (every test by outcome, each benchmark's table),
-#           gpu-tests.log/.xml, bench-*.log, rl-loop-metrics.json
+#   device: bash tests/gpu/device.sh run       # with .whl carried, in one 10-minute call
+#           (GPU_RUN_BUDGET_S, 560 s by default, from the start to the summary), on an
+#           H100 as on an H200, in this order, the cheap and decisive first:
+#           1. the memory layer's and the engines' decisive GPU tests (pinning, pause and
+#              resume, the planned sync, the handoff, refusals),
+#           2. bench/memory.py --device cuda (each size's row printed as it finishes),
+#           3. bench/engines.py: the trainer -> generator handoff of 1.7 GB,
+#           4. the RL loop at ~0.5 B parameters (its switch share on a GPU),
+#           5. the runtime through Monarch and the arbiter's tests, 6. the rest of the
+#              memory layer's, 7. the RL loop's test (train, save, export, resume);
+#           each part under a time limit of its own, and started only when the time it
+#           took on an H100 is left: a part skipped for lack of time is named in
+#           $OUT/budget.log and the summary. Writes $OUT/summary.md (the GPU, every test by
+#           outcome, each part's time, each benchmark's table), gpu-tests-*.xml/.log,
+#           bench-*.log, rl-loop-metrics.json
 #   device: bash tests/gpu/device.sh bench     # longer benchmarks, in a call of their own:
 #           the handoff of 1.7 GB with more rounds (bench/engines.py)
 set -euo pipefail
@@ -53,6 +62,8 @@ case "${1:-}" in
       echo "over the carry limit: remove what .whl need not hold" >&2; exit 1
     fi ;;
   run|bench)
+    budget_end=$(( SECONDS + ${GPU_RUN_BUDGET_S:-560} ))  # the clock runs from here
+    SUMMARY_S=15  # kept for the summary (and a part's 10 s between SIGINT and SIGKILL)
     mapfile -t missing < <(python3 - <<'PY'
 import importlib.metadata as metadata
 import pathlib
@@ -68,39 +79,79 @@ PY
     python3 tests/gpu/bundle.py unpack .whl/monarch-cp312.tar.xz /tmp/site
     export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
     out="${OUT:-runs/gpu}"; mkdir -p "$out"
-    nvidia-smi -L
-    # every step runs whatever the one before did (a failed test must not hide a
-    # benchmark); the limits keep each mode within one 10-minute device call
+    nvidia-smi -L | tee "$out/gpu.txt"
+    : > "$out/budget.log"
+    # every part runs whatever the one before did (a failed test must not hide a benchmark)
     status=0
+    # part NAME NEED LIMIT LOG CMD...: CMD (its output into $out/LOG too) if NEED seconds
+    # (what it took on an H100) are left of the budget, less the summary's; for at most
+    # LIMIT seconds, or what is left. At the limit, SIGINT (pytest still writes its XML, a
+    # benchmark keeps the rows it printed), then SIGKILL 10 s later.
+    part() {
+      local name=$1 need=$2 limit=$3 log=$4; shift 4
+      local left=$(( budget_end - SUMMARY_S - SECONDS ))
+      if (( left < need )); then
+        echo "budget: skipped $name: it took ~$need s on an H100, $left s were left" \
+          | tee -a "$out/budget.log"
+        status=1
+        return 0
+      fi
+      local cap=$(( limit < left ? limit : left )) began=$SECONDS rc=0
+      timeout -s INT -k 10 "$cap" "$@" 2>&1 | tee -a "$out/$log" || rc=$?
+      local verdict="done"
+      if (( rc == 124 || rc == 137 )); then verdict="stopped at its limit"
+      elif (( rc != 0 )); then verdict="failed"; fi
+      echo "budget: $name: $(( SECONDS - began )) s of $cap (limit $limit, H100 ~$need), rc $rc, $verdict" \
+        | tee -a "$out/budget.log"
+      if (( rc != 0 )); then status=1; fi
+    }
     if [[ $1 == run ]]; then
-      # the runtime's tests first (the memory layer's passed on an H100 and an H200); at
-      # the limit, SIGINT: pytest still writes its XML and summary for what ran
-      timeout -s INT -k 10 320 python3 -m pytest -v -p no:cacheprovider -m gpu \
-        tests/gpu/test_runtime_cuda.py tests/gpu/test_rl_loop_cuda.py \
-        $(ls tests/gpu/test_*.py | grep -v -e test_runtime_cuda -e test_rl_loop_cuda) \
-        --durations=0 --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" \
-        || status=1
+      # the tests that decide whether the memory layer and the engines work on this GPU
+      decisive="pinned_as_it_gets or planned_in_place or pause_releases or"
+      decisive+=" take_turns_with_weight_sync or resume_without_room or bad_transitions"
+      pytest=(python3 -m pytest -v -p no:cacheprovider -m gpu --durations=0)
+      # H100: ~10 s a memory test (a fresh process each), ~35 s a handoff test
+      part "tests: memory and engines, decisive" 120 180 gpu-tests-1.log \
+        "${pytest[@]}" tests/gpu/test_memory_cuda.py tests/gpu/test_engines_cuda.py \
+        -k "$decisive" --junitxml="$out/gpu-tests-1.xml"
+      # a fresh process per row, ~15 s each on an H100 (3 rows in 45 s); a row of the
+      # bytes as 256 KiB tensors beside each size's row
+      part "bench/memory.py" 45 60 bench-memory.log \
+        python3 bench/memory.py --device cuda --sizes 256,1024 --tensor-kib 0,256 \
+        --out /tmp/bench_memory_cuda
+      # dim 1536 x 12 layers: about 425 M parameters, 1.7 GB of fp32 weights
+      part "bench/engines.py" 45 70 bench-engines.log \
+        python3 bench/engines.py --engines torch --dim 1536 --layers 12 --rounds 2 \
+        --out /tmp/bench_engines_cuda/results.json
       # the RL loop with a random Llama of ~0.5 B parameters (2 GB of fp32 weights), its
       # switch share on a GPU: metrics.json's summary and per-step switch_s / sync_s. The
       # init and lr of a model that size: the tiny model's (std 0.1, lr 1e-3) diverged
       # on an H200 (bench/RESULTS.md, "Second GPU session")
       rl=/tmp/rl_loop_cuda
-      timeout 110 python3 -m examples.rl_loop run.steps=8 run.eval_every=8 run.save_every=0 \
+      part "RL loop, ~0.5 B" 80 110 bench-rl-loop.log \
+        python3 -m examples.rl_loop run.steps=8 run.eval_every=8 run.save_every=0 \
         model.hidden_size=1536 model.layers=20 model.heads=12 model.kv_heads=2 \
-        model.intermediate_size=4096 model.init_std=0.02 grpo.lr=1e-5 run.out="$rl" 2>&1 \
-        | tee "$out/bench-rl-loop.log" \
-        || status=1
+        model.intermediate_size=4096 model.init_std=0.02 grpo.lr=1e-5 run.out="$rl"
       cp "$rl/metrics.json" "$out/rl-loop-metrics.json" 2>/dev/null || status=1
-      timeout 45 python3 bench/memory.py --device cuda --out /tmp/bench_memory_cuda 2>&1 \
-        | tee "$out/bench-memory.log" || status=1
-      rounds=2 limit=60
+      # H100: the runtime 37.6 s, the arbiter's 49.6 / 48.6 s (before it compared on the
+      # device); FSDP and the hybrid engine skip on one GPU without vLLM
+      part "tests: the runtime and the arbiter" 100 150 gpu-tests-2.log \
+        "${pytest[@]}" tests/gpu/test_runtime_cuda.py tests/gpu/test_arbiter_cuda.py \
+        tests/gpu/test_fsdp_cuda.py tests/gpu/test_hybrid_cuda.py \
+        --junitxml="$out/gpu-tests-2.xml"
+      # a thousand cycles, the cuBLAS workspace and the exit status in both hook modes,
+      # slot procs by UUID: ~10 s each on an H100
+      part "tests: the rest of the memory layer" 70 110 gpu-tests-3.log \
+        "${pytest[@]}" tests/gpu/test_memory_cuda.py -k "not ($decisive)" \
+        --junitxml="$out/gpu-tests-3.xml"
+      # H100: 120.5 s (two runs of the loop through Monarch)
+      part "tests: the RL loop (train, save, export, resume)" 120 170 gpu-tests-4.log \
+        "${pytest[@]}" tests/gpu/test_rl_loop_cuda.py --junitxml="$out/gpu-tests-4.xml"
     else
-      rounds=5 limit=480
+      part "bench/engines.py, 5 rounds" 60 480 bench-engines.log \
+        python3 bench/engines.py --engines torch --dim 1536 --layers 12 --rounds 5 \
+        --out /tmp/bench_engines_cuda/results.json
     fi
-    # dim 1536 x 12 layers: about 425 M parameters, 1.7 GB of fp32 weights
-    timeout "$limit" python3 bench/engines.py --engines torch --dim 1536 --layers 12 \
-      --rounds "$rounds" --out /tmp/bench_engines_cuda/results.json 2>&1 \
-      | tee "$out/bench-engines.log" || status=1
     python3 tests/gpu/summary.py "$out" "$1" | tee "$out/summary.md"
     exit "$status" ;;
   *) echo "usage: $0 fetch|run|bench" >&2; exit 2 ;;

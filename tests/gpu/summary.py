@@ -1,14 +1,16 @@
-"""One summary of a GPU session's run (`device.sh run`): every GPU test by name with its
-outcome, then each benchmark's printed table.
+"""One summary of a GPU session's run (`device.sh run`): the GPU it ran on, each part's
+time against its budget (and the parts skipped for lack of time), every GPU test by name
+with its outcome, then each benchmark's printed table.
 
     python tests/gpu/summary.py OUT_DIR [run|bench] > OUT_DIR/summary.md
 
-Reads OUT_DIR/gpu-tests.xml (pytest's JUnit XML), OUT_DIR/bench-*.log (what each
-benchmark printed) and OUT_DIR/rl-loop-metrics.json (the RL loop's run on the GPU: its
-switch share, step time and devices; also the share from the second step on, since the
-first step's sync pins the trainer's host buffers); a missing file is named in the
-summary, never skipped silently. `bench` (`device.sh bench`, benchmarks only) leaves out
-the tests and the RL loop.
+Reads OUT_DIR/gpu.txt (`nvidia-smi -L`: which kind of GPU each figure came from),
+OUT_DIR/budget.log (device.sh's line per part), OUT_DIR/gpu-tests*.xml (pytest's JUnit
+XML, one per part that ran tests), OUT_DIR/bench-*.log (what each benchmark printed) and
+OUT_DIR/rl-loop-metrics.json (the RL loop's run on the GPU: its switch share, step time
+and devices; also the share from the second step on, the first step's being apart); a
+missing file is named in the summary, never skipped silently. `bench` (`device.sh
+bench`, benchmarks only) leaves out the tests and the RL loop.
 """
 
 from __future__ import annotations
@@ -40,6 +42,15 @@ def test_outcomes(xml: Path) -> dict[str, list[str]]:
 
 def summary(out: Path, mode: str = "run") -> str:
     lines = ["# GPU session summary", ""]
+    gpu = out / "gpu.txt"
+    lines.append("device: " + ("; ".join(gpu.read_text().split("\n")).strip("; ")
+                               if gpu.exists() else f"unknown (no {gpu.name})"))
+    budget = out / "budget.log"
+    if budget.exists():
+        lines += ["", "## time budget", *(f"- {line.removeprefix('budget: ')}"
+                                          for line in budget.read_text().splitlines()
+                                          if line.strip())]
+    lines.append("")
     if mode == "run":
         lines += run_sections(out)
     for log in sorted(out.glob("bench-*.log")):
@@ -51,14 +62,18 @@ def summary(out: Path, mode: str = "run") -> str:
 def run_sections(out: Path) -> list[str]:
     """The tests by outcome and the RL loop's figures."""
     lines: list[str] = []
-    xml = out / "gpu-tests.xml"
-    if xml.exists():
-        outcomes = test_outcomes(xml)
-        lines.append("tests: " + ", ".join(f"{len(v)} {k}" for k, v in outcomes.items()))
+    xmls = sorted(out.glob("gpu-tests*.xml"))
+    if xmls:
+        outcomes: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
+        for xml in xmls:
+            for outcome, names in test_outcomes(xml).items():
+                outcomes[outcome] += names
+        lines.append("tests: " + ", ".join(f"{len(v)} {k}" for k, v in outcomes.items())
+                     + f" ({', '.join(xml.name for xml in xmls)})")
         for outcome, names in outcomes.items():
             lines += ["", f"## {outcome}", *(f"- {name}" for name in names)]
     else:
-        lines.append(f"tests: no {xml.name} (pytest did not get to write it)")
+        lines.append("tests: no gpu-tests.xml (pytest did not get to write it)")
     metrics = out / "rl-loop-metrics.json"
     lines += ["", "## RL loop on the GPU"]
     if metrics.exists():
