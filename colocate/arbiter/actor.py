@@ -37,14 +37,17 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from monarch.actor import Actor, ActorError, concurrent_endpoint, current_actor_name, endpoint
 
+from colocate import memory
 from colocate.arbiter.config import ArbiterConfig, SlotTraffic
 from colocate.arbiter.core import SlotArbiter
 from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.pid_watch import PidWatch
 from colocate.arbiter.plan import Plan, PlanResult, run_here
 from colocate.arbiter.tenant import TaggedTenant, Tenancy, TenantInfo
+from colocate.memory.capacity import from_cuda_oom
 from colocate.monarch_compat import EndpointProperty, endpoint_function, set_endpoint_function
 
 
@@ -103,7 +106,10 @@ def _holding_busy(method: Any) -> Any:
     @functools.wraps(method)
     def holding(self: Any, *args: Any, **kwargs: Any) -> Any:
         with _busy_lock(self):
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except torch.cuda.OutOfMemoryError as err:  # as a CPU slot's refusal says it
+                raise from_cuda_oom(err) from None
 
     _HOLDING_BUSY.add(holding)
     return holding
@@ -179,11 +185,15 @@ class TenantActor(Actor, metaclass=_KeepsInitError):
         raise err
 
     @endpoint
-    def known_as(self, name: str) -> None:
+    def known_as(self, name: str, capacity: int | None = None) -> None:
         """Take `name`, the name this tenant has at its arbiter (given at registration),
         as the one its process's plans address it by: Monarch's own name for the actor may
-        be spelled otherwise (a service "Gen.v2" runs as actor "genv2")."""
+        be spelled otherwise (a service "Gen.v2" runs as actor "genv2"). `capacity`: its
+        slot's, under a policy that measures; on CPU the process's tagged memory is held
+        to it (`memory.set_capacity`), as a GPU's own memory bounds it there."""
         _HERE[name] = self
+        if capacity is not None and not torch.cuda.is_available():
+            memory.set_capacity(capacity)
 
     @endpoint
     def sleep(self, stages: list[str] | None = None) -> int:
@@ -290,9 +300,10 @@ class ActorTenantHandle:
     async def describe(self) -> TenantInfo:
         return await self._call("describe")
 
-    async def known_as(self) -> None:
-        """Tell the tenant the name it has here (`TenantActor.known_as`)."""
-        await self._call("known_as", self.name)
+    async def known_as(self, capacity: int | None = None) -> None:
+        """Tell the tenant the name it has here and its slot's capacity
+        (`TenantActor.known_as`)."""
+        await self._call("known_as", self.name, capacity)
 
     async def receive(self, source: str) -> int:
         return await self._call("receive", source)
@@ -320,7 +331,8 @@ class Arbiter(Actor):
     @concurrent_endpoint
     async def register(self, slot: int, name: str, actor: Any) -> TenantInfo:
         handle = ActorTenantHandle(name, actor)
-        await handle.known_as()
+        measured = self.core.policy.measures
+        await handle.known_as(self.core.config.slot_capacity_bytes if measured else None)
         return await self.core.register(slot, handle)
 
     @concurrent_endpoint
@@ -331,6 +343,12 @@ class Arbiter(Actor):
     async def wake(self, name: str, slots: list[int] | None = None,
                    stages: list[str] | None = None) -> HostStatus:
         await self.core.wake(name, slots, stages)
+        return self.core.status()
+
+    @concurrent_endpoint
+    async def make_room(self, name: str, asked_bytes: int,
+                        slots: list[int] | None = None) -> HostStatus:
+        await self.core.make_room(name, asked_bytes, slots)
         return self.core.status()
 
     @concurrent_endpoint

@@ -19,10 +19,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
-from colocate import telemetry
 from colocate.arbiter import room
 from colocate.arbiter.config import ArbiterConfig, ArbiterConfigError, Slot, SlotTraffic
-from colocate.arbiter.delivery import AFTER_LOSS, Courier, lose, watched
+from colocate.arbiter.delivery import AFTER_LOSS, Courier, find_lost, watched
 from colocate.arbiter.errors import (
     ArbiterError,
     ArbiterTimeoutError,
@@ -220,6 +219,22 @@ class SlotArbiter:
                 *(self._wake_on(slot, name, stages) for slot in chosen), return_exceptions=True)
         raise_errors(results, chosen)
 
+    async def make_room(self, name: str, asked_bytes: int,
+                        slots: Iterable[int] | None = None) -> None:
+        """A call of `name` asked `asked_bytes` of working memory, more than its slot had
+        free: learn that its calls need that much (beyond its declared working memory) for
+        every later wake of it, and make the room now, by the policy's sleeps (raises
+        `SwitchError`, naming the bytes, when they cannot make it)."""
+        chosen = self._slots_of(name, slots)
+        async with self._hold(chosen):
+            for slot in chosen:
+                beyond = asked_bytes - slot.infos[name].working_bytes
+                slot.extra_need[name] = max(slot.extra_need.get(name, 0), beyond)
+                slot.holder = None
+            results = await asyncio.gather(*(self._wake_on(slot, name, None)
+                                             for slot in chosen), return_exceptions=True)
+        raise_errors(results, chosen)
+
     async def sleep(self, name: str, slots: Iterable[int] | None = None) -> None:
         """Put `name` to sleep on its slots (all, or `slots`), verified by measurement."""
         chosen = self._slots_of(name, slots)
@@ -367,21 +382,8 @@ class SlotArbiter:
         return found
 
     def find_lost(self, names: Iterable[str]) -> dict[str, str]:
-        """Check now that the procs of `names` run; those that died are lost from here on.
-        Returns every lost tenant on the slots of `names`, with why."""
-        names = set(names)
-        found: dict[str, str] = {}
-        for slot in self.slots.values():
-            asked = names.intersection(slot.tenants)
-            if not asked:
-                continue
-            for name in asked.difference(slot.lost):
-                pid = slot.infos[name].pid
-                if not telemetry.process_runs(pid):
-                    lose(slot, pid, "a liveness check")
-            found.update({name: f"{name} lost on slot {slot.index}: {why}"
-                          for name, why in slot.lost.items()})
-        return found
+        """Check now that the procs of `names` run (`delivery.find_lost`)."""
+        return find_lost(self.slots.values(), names)
 
     def traffic(self) -> dict[int, SlotTraffic]:
         """Per slot: what its switches moved so far (`SlotTraffic`)."""

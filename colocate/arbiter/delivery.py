@@ -25,7 +25,7 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from colocate import memory, telemetry
@@ -241,4 +241,22 @@ def _segments(slot: Slot, steps: list[Step]) -> list[tuple[int, list[Step]]]:
             found[-1][1].append(step)
         else:
             found.append((pid, [step]))
+    return found
+
+
+def find_lost(slots: Iterable[Slot], names: Iterable[str]) -> dict[str, str]:
+    """Check now that the procs of `names` run; those that died are lost from here on.
+    Returns every lost tenant on the slots of `names`, with why."""
+    names = set(names)
+    found: dict[str, str] = {}
+    for slot in slots:
+        asked = names.intersection(slot.tenants)
+        if not asked:
+            continue
+        for name in asked.difference(slot.lost):
+            pid = slot.infos[name].pid
+            if not telemetry.process_runs(pid):
+                lose(slot, pid, "a liveness check")
+        found.update({name: f"{name} lost on slot {slot.index}: {why}"
+                      for name, why in slot.lost.items()})
     return found

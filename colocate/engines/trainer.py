@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from colocate import memory
 from colocate.arbiter.tenant import TaggedTenant
 from colocate.engines.batches import to_device
 from colocate.engines.checkpoint import Checkpointer
@@ -87,6 +88,13 @@ class PolicyTrainer:
         self.max_grad_norm, self.device, self.steps = max_grad_norm, device, 0
         self.bucket_bytes = bucket_mb << 20
         self.checkpoints = Checkpointer()
+        # until the first step makes them, its gradients and AdamW state (each moment as
+        # large as the weights, and a float32 step count per parameter) are working memory
+        # that a budget must keep free for it
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters()]
+        grads = sum(p.numel() * p.element_size() for p in local)
+        self.optimizer_bytes = 2 * grads + 4 * len(local)
+        self.tenancy.working_bytes = grads + self.optimizer_bytes
         publish(prefix, self.weights)
 
     @property
@@ -108,6 +116,13 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=False)
         loss, metrics = loss_fn(self.module, to_device(batch, self.device))
         loss.backward()
+        # the gradients tagged now, and room for AdamW's state checked before it is made:
+        # a slot too full fails the step here (SlotOutOfMemoryError), with the weights as
+        # they were, so the step can be tried again once room is made
+        self.tenancy.adopt([p.grad for p in self.model.parameters() if p.grad is not None],
+                           "grads")
+        if self.tenancy.working_bytes:
+            memory.ensure_room(self.optimizer_bytes, "the trainer's AdamW state")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               self.max_grad_norm or float("inf"))
         if isinstance(norm, DTensor):
@@ -121,9 +136,8 @@ class PolicyTrainer:
                 "learning rate (lr), or look for inf or NaN in the loss's inputs "
                 "(rewards, advantages, a KL term).")
         self.optimizer.step()
-        self.tenancy.adopt([p.grad for p in self.model.parameters() if p.grad is not None],
-                           "grads")
         self.tenancy.adopt(self.optimizer, "optimizer")
+        self.tenancy.working_bytes = 0  # its state has stages of its own now
         self.steps += 1
         return {**metrics, "loss": loss.item(), "grad_norm": grad_norm}
 

@@ -32,6 +32,7 @@ from colocate.memory.cuda import check_allocator_conf, preload_env
 from colocate.memory.errors import (
     CudaSetupError,
     ResumeOutOfMemoryError,
+    SlotOutOfMemoryError,
     TagConflictError,
     TaggedMemoryError,
     TagPausedError,
@@ -107,6 +108,19 @@ def tagged_bytes(tag: str) -> int:
     return _registry.tagged_bytes(tag)
 
 
+def set_capacity(nbytes: int | None) -> None:
+    """This process's slot capacity on CPU (None: none): a `region()` or `adopt()` that
+    would take the resident tagged memory past it raises `SlotOutOfMemoryError` (see
+    `colocate.memory.capacity`)."""
+    _registry.capacity.bytes = nbytes
+
+
+def ensure_room(nbytes: int, what: str) -> None:
+    """Raise `SlotOutOfMemoryError` unless `nbytes` more CPU tagged memory fit under the
+    slot's capacity: call before work that will tag that much (nothing is changed yet)."""
+    _registry.check_room(what, "cpu", nbytes)
+
+
 def traffic() -> Traffic:
     """What this process's pauses and resumes moved so far: bytes copied to host backup
     and back, and bytes discarded (tags without backup)."""
@@ -119,9 +133,9 @@ def tags() -> list[str]:
 
 
 __all__ = [
-    "CudaSetupError", "ResumeOutOfMemoryError", "TagConflictError", "TagPausedError",
-    "TagState", "TagStateError",
-    "TaggedMemoryError", "Traffic", "UnknownTagError", "adopt", "check_allocator_conf",
-    "ensure_active", "pause", "pausing_together", "preload_env", "region", "release_cached",
-    "resident_bytes", "resume", "state", "tagged_bytes", "tags", "traffic",
+    "CudaSetupError", "ResumeOutOfMemoryError", "SlotOutOfMemoryError", "TagConflictError",
+    "TagPausedError", "TagState", "TagStateError", "TaggedMemoryError", "Traffic",
+    "UnknownTagError", "adopt", "check_allocator_conf", "ensure_active", "ensure_room",
+    "pause", "pausing_together", "preload_env", "region", "release_cached",
+    "resident_bytes", "resume", "set_capacity", "state", "tagged_bytes", "tags", "traffic",
 ]

@@ -31,3 +31,16 @@ class CudaSetupError(TaggedMemoryError):
 
 class ResumeOutOfMemoryError(TaggedMemoryError):
     """The device has too little free memory to resume the tag; it stays paused (retry)."""
+
+
+class SlotOutOfMemoryError(TaggedMemoryError):
+    """A tenant asked for more memory than its slot has free: on CPU, its tags would pass
+    the slot's capacity (`memory.set_capacity`); on CUDA, the device ran out. Nothing of the
+    failed allocation was kept; the caller may make room and try again."""
+
+    def __init__(self, message: str, asked_bytes: int, free_bytes: int) -> None:
+        super().__init__(message)
+        self.asked_bytes, self.free_bytes = asked_bytes, free_bytes
+
+    def __reduce__(self) -> tuple:  # keeps its fields across processes
+        return type(self), (str(self), self.asked_bytes, self.free_bytes)

@@ -25,7 +25,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from colocate import telemetry
 from colocate.memory.cached import release_cached
+from colocate.memory.capacity import Capacity
+from colocate.memory.devices import check_cuda_device, resolve_device
 from colocate.memory.errors import (
+    SlotOutOfMemoryError,
     TagConflictError,
     TaggedMemoryError,
     TagPausedError,
@@ -77,36 +80,6 @@ class Tag:
         return sum(s.nbytes() for s in self.live_storages(device_type))
 
 
-def _device(device: str | torch.device | None) -> torch.device:
-    """`device` (default: CUDA if present, else CPU), with a CUDA index: the current one
-    when none is given."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def check_cuda_device(tag: str, device: torch.device, current: int,
-                      tag_index: int | None) -> None:
-    """Refuse memory for `tag` on a CUDA device other than the `current` one (it would land
-    untagged: torch_memory_saver tags only the current device's allocations; in torch mode
-    its memory pool is the current device's), or other than the tag's own (`tag_index`)."""
-    if device.type != "cuda":
-        return
-    if device.index != current:
-        raise TagConflictError(
-            f"memory for tag {tag!r} on {device}, but the current CUDA device is "
-            f"cuda:{current}: torch_memory_saver tags only the current device's allocations "
-            f"(the rest would land untagged). Call torch.cuda.set_device({device.index}) "
-            "first."
-        )
-    if tag_index not in (None, device.index):
-        raise TagConflictError(
-            f"tag {tag!r} has memory on cuda:{tag_index}; it cannot take memory on {device} "
-            "too (a resume checks and maps one device). Use one tag per device."
-        )
-
-
 def _reading(device_type: str, index: int | None) -> tuple[int, str]:
     """Memory held now and its scope: this process's ("process"), or on CUDA where NVML
     does not account per process, the whole device's ("device")."""
@@ -128,6 +101,7 @@ class TagRegistry:
         self._open: dict[str, list[str]] = {}  # tag -> threads with a region of it open
         self._unfinished: list[Callable[[], None]] | None = None  # pauses held together
         self.traffic = TrafficCounter()  # what pauses and resumes moved
+        self.capacity = Capacity()  # a CPU slot's, when its arbiter gives one
 
     # -- backends and tags ------------------------------------------------------------
 
@@ -205,7 +179,7 @@ class TagRegistry:
     @contextmanager
     def region(self, tag: str, backup: bool = False,
                device: str | torch.device | None = None) -> Iterator[None]:
-        device = _device(device)
+        device = resolve_device(device)
         if getattr(self._in_region, "tag", None) is not None:
             raise TagConflictError(
                 f"region({tag!r}) inside region({self._in_region.tag!r}): regions do not nest."
@@ -218,6 +192,7 @@ class TagRegistry:
         capture = Capture(device.type)
         self._in_region.tag = tag
         elsewhere: list[torch.UntypedStorage] = []
+        refused: Exception | None = None
         try:
             with backend.region(tag, backup), capture:
                 yield
@@ -229,8 +204,14 @@ class TagRegistry:
                     del self._open[tag]
                 live = [s for s in capture.live() if self._owner(s) is None]
                 elsewhere = [s for s in live if s.device != device]
-                storages = backend.claim(tag, [s for s in live if s.device == device], backup)
-                self._track(record, storages)
+                here = [s for s in live if s.device == device]
+                try:
+                    self.check_room(f"tag {tag!r}", device.type, sum(s.nbytes() for s in here))
+                    self._track(record, backend.claim(tag, here, backup))
+                except SlotOutOfMemoryError as err:
+                    refused = err  # left untagged: freed with the caller's references
+        if refused is not None:
+            raise refused
         if elsewhere:  # the block itself succeeded: say what it left untagged
             raise TagConflictError(
                 f"region({tag!r}) on {device} allocated {sum(s.nbytes() for s in elsewhere)} "
@@ -249,12 +230,21 @@ class TagRegistry:
             by_device: dict[torch.device, list[Held]] = {}
             for h in held:
                 by_device.setdefault(h.storage.device, []).append(h)
-            for device in by_device:
+            for device, group in by_device.items():
                 self._check_device(record, device)
+                self.check_room(f"tag {tag!r}", device.type, sum(h.storage.nbytes() for h in group))
             complete(held, tag)
             for device, group in by_device.items():
                 self._track(record, self._backend(device.type).adopt(tag, group, backup))
             return sum(h.storage.nbytes() for h in held)
+
+    def check_room(self, what: str, device_type: str, asked: int) -> None:
+        """On CPU, refuse `asked` more bytes for `what` past the slot's capacity."""
+        if device_type == "cpu" and self.capacity.bytes is not None:
+            with self._lock:
+                held = sum(r.nbytes("cpu") for r in self._tags.values()
+                           if r.state is TagState.ACTIVE)
+            self.capacity.check(held, asked, what)
 
     # -- transitions -----------------------------------------------------------------
 
