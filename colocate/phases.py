@@ -6,6 +6,9 @@
     with phase("trainer"):              # the blocking form, for notebooks and scripts
         ...
 
+    async with phase(trainer.save_checkpoint):   # a service's endpoint: only the stages
+        ...                                      # it needs (`colocate.needs`) wake
+
 On entry the arbiters wake each named tenant in turn, putting to sleep whoever conflicts;
 one that cannot wake (its proc died: `TenantLostError`) does not keep the others asleep,
 and its error is raised once the others are awake. On exit nothing moves: the tenant stays
@@ -36,17 +39,35 @@ class HasTenants(Protocol):
     def tenant_names(self) -> list[str]: ...
 
 
-def _names(targets: Sequence[str | HasTenants]) -> list[str]:
-    names: list[str] = []
+@runtime_checkable
+class HasStages(HasTenants, Protocol):
+    """Tenants and the stages a call on them needs (a service's endpoint, for one): None
+    for every stage; stages a tenant does not have are not its to wake."""
+
+    def stages(self) -> Sequence[str] | None: ...
+
+
+# one wake: the tenant, the stages, whether they are a call's needs (see ResourceManager.wake_for)
+Wake = tuple[str, Sequence[str] | None, bool]
+
+
+def _wakes(targets: Sequence[str | HasTenants], stages: list[str] | None) -> list[Wake]:
+    wakes: list[Wake] = []
     for target in targets:
         if isinstance(target, str):
-            names.append(target)
+            wakes.append((target, stages, False))
+        elif isinstance(target, HasStages):
+            if stages is not None:
+                raise TypeError(f"phase(): {target!r} wakes the stages it needs; stages= "
+                                "is for tenant names and services")
+            needs = target.stages()
+            wakes.extend((name, needs, True) for name in target.tenant_names())
         elif isinstance(target, HasTenants):
-            names.extend(target.tenant_names())
+            wakes.extend((name, stages, False) for name in target.tenant_names())
         else:
             raise TypeError(f"phase() takes tenant names or objects with tenant_names(), "
                             f"got {target!r}")
-    return names
+    return wakes
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -60,11 +81,12 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 
 class phase:  # noqa: N801 - used like a function, as contextlib's helpers are
-    """Wake `targets` (tenant names, or objects with `tenant_names()`) for a block."""
+    """Wake `targets` (tenant names, or objects with `tenant_names()`) for a block: `stages`
+    of them (default: all), or of one with `stages()` (an endpoint), the stages it needs."""
 
     def __init__(self, *targets: str | HasTenants, stages: list[str] | None = None,
                  rm: ResourceManager | None = None) -> None:
-        _names(targets)  # a bad target fails here, not at the first entry
+        _wakes(targets, stages)  # a bad target fails here, not at the first entry
         self.targets = targets  # names read at each entry: a respawned replica's is new
         self.stages = stages
         self.rm = rm
@@ -74,9 +96,10 @@ class phase:  # noqa: N801 - used like a function, as contextlib's helpers are
         first error is raised once all were tried, noting the others'."""
         rm = self.rm or current()
         failed: list[tuple[str, Exception]] = []
-        for name in _names(self.targets):
+        for name, stages, needs in _wakes(self.targets, self.stages):
             try:
-                await rm.wake(name, self.stages)
+                await (rm.wake_for(name, stages) if needs else
+                       rm.wake(name, None if stages is None else list(stages)))
             except Exception as err:
                 failed.append((name, err))
         if failed:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import monarch.actor
@@ -236,16 +237,26 @@ class ResourceManager:
     # -- switches ----------------------------------------------------------------------
 
     async def wake(self, name: str, stages: list[str] | None = None) -> None:
-        """Make `name` awake on all its slots; its hosts switch in parallel.
+        """Make `name` awake on all its slots, with `stages` (default: all); its hosts
+        switch in parallel.
 
         Every switch goes through this manager, which keeps the arbiters' view after it: a
-        tenant awake since then, alive, with no switch in flight that may put it to sleep
-        (and, under a policy that measures, the last one woken on its slots), is left as it
-        is without a call."""
-        if self.switchboard.is_tenant(name) and self.routable(name) \
-                and self.switchboard.holds(name):
+        tenant with those stages awake since then, alive, with no switch in flight that may
+        put them to sleep (and, under a policy that measures, the last one woken on its
+        slots), is left as it is without a call."""
+        if self.switchboard.is_tenant(name) and self.faults.alive(name) \
+                and self.switchboard.awake_now(name, stages) and self.switchboard.holds(name):
             return
         await self.switchboard.wake(name, stages)
+
+    async def wake_for(self, name: str, stages: Sequence[str] | None) -> None:
+        """Wake what a call that needs `stages` (None: every stage) needs of `name`: those
+        of its own stages (see `routable`); nothing when it has none of them."""
+        if stages is not None and self.switchboard.is_tenant(name):
+            stages = self.switchboard.needed(name, stages)
+            if not stages:
+                return
+        await self.wake(name, None if stages is None else list(stages))
 
     async def sleep(self, name: str) -> None:
         """Put `name` to sleep on all its slots, verified."""
@@ -258,12 +269,14 @@ class ResourceManager:
         is awake and `source` asleep there."""
         return await self.switchboard.handoff(source, target, keep, first)
 
-    def routable(self, name: str) -> bool:
-        """Alive and, for a tenant, fully awake on all its slots with no switch in flight
-        that may put it to sleep. Actors that are not tenants never sleep."""
+    def routable(self, name: str, stages: Sequence[str] | None = None) -> bool:
+        """Alive and, for a tenant, awake on all its slots with no switch in flight that may
+        put it to sleep: every stage, or those of `stages` it has (a call's needs; the
+        others are ignored). Actors that are not tenants never sleep."""
         if not self.faults.alive(name):
             return False
-        return not self.switchboard.is_tenant(name) or self.switchboard.awake_now(name)
+        return not self.switchboard.is_tenant(name) or self.switchboard.awake_now(
+            name, self.switchboard.needed(name, stages))
 
     def failure(self, name: str) -> str | None:
         """Why the actors spawned as `name` failed (their proc died, an actor crashed);

@@ -4,17 +4,20 @@ with them, and the cached view of who is awake.
 Every switch (wake, sleep, handoff) goes through `Switchboard`: it marks the tenants the
 switch may put to sleep as switching (so `awake_now` is False for them), lets its watchers
 (services) drain their calls in flight, asks each host's arbiter in parallel, and keeps the
-hosts' answers as its view. A tenant `awake_now` in that view needs no wake: the resource
-manager skips the call. Watchers hear of each change of the view. Tenants an arbiter finds
-lost (their proc died) are reported to `on_lost` at once, from a switch's error or from
-the liveness checks made while a drain waits.
+hosts' answers as its view: each tenant's stages awake on all its slots. A tenant
+`awake_now` in that view, for the stages asked, needs no wake: the resource manager skips
+the call. Under a policy that measures, a tenant may be partly awake, and a wake of some
+of its stages (or a handoff to it) may put its others to sleep: such a switch marks the
+tenant itself switching too. Watchers hear of each change of the view. Tenants an
+arbiter finds lost (their proc died) are reported to `on_lost` at once, from a switch's
+error or from the liveness checks made while a drain waits.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from colocate.abortable import Abortable
@@ -38,7 +41,7 @@ class Switchboard:
         self.tenants: dict[str, list[tuple[int, int]]] = {}  # name -> (host, slot)
         self.stages: dict[str, tuple[str, ...]] = {}  # name -> its stages
         self.pids: dict[str, dict[tuple[int, int], int]] = {}  # name -> (host, slot) -> pid
-        self.awake: dict[str, bool] = {}  # name -> fully awake on all its slots (last view)
+        self.awake: dict[str, frozenset[str]] = {}  # name -> awake on all its slots (last view)
         # under a policy that measures: (host, slot) -> the tenant last woken there, whose
         # working memory the arbiter kept free (another awake tenant's wake still asks it)
         self.holders: dict[tuple[int, int], str] = {}
@@ -142,7 +145,10 @@ class Switchboard:
         """Make `name` awake on all its slots; its hosts switch in parallel. (The caller
         skips a tenant that is `awake_now`.)"""
         by_host = self._by_host(name)
-        await self._holding(name, self._switch(self._neighbours(name), lambda: {
+        touched = self._neighbours(name)
+        if self.measures and stages is not None and not set(self.stages[name]) <= set(stages):
+            touched.add(name)  # its stages not asked may sleep to make room
+        await self._holding(name, self._switch(touched, lambda: {
             h: self.arbiter(h).wake.call_one(name, slots, stages)
             for h, slots in by_host.items()}))
 
@@ -193,8 +199,11 @@ class Switchboard:
             copied += moved
             return status
 
+        touched = self._neighbours(target) | {source}
+        if self.measures:
+            touched.add(target)  # its stages beyond the weights may sleep to make room
         await self._holding(target, self._switch(
-            self._neighbours(target) | {source},
+            touched,
             lambda: {h: on(h, slots) for h, slots in by_host.items()}))
         return copied
 
@@ -261,14 +270,23 @@ class Switchboard:
             for name, why in lost.items():
                 self.on_lost((name,), why)
 
-    def awake_now(self, name: str) -> bool:
-        """Fully awake on all its slots in the view, with no switch in flight that may put
-        it to sleep."""
-        return self.awake.get(name, False) and self._switching[name] <= 0
+    def awake_now(self, name: str, stages: Collection[str] | None = None) -> bool:
+        """`stages` (default: all of its own) awake on all its slots in the view, with no
+        switch in flight that may put them to sleep."""
+        up = self.awake.get(name)
+        wanted = self.stages.get(name, ()) if stages is None else stages
+        return up is not None and up.issuperset(wanted) and self._switching[name] <= 0
+
+    def needed(self, name: str, stages: Collection[str] | None) -> tuple[str, ...]:
+        """What a call that needs `stages` (None: every stage) needs of tenant `name`: those
+        of its own stages, in its wake order (the others are not its to need)."""
+        own = self.stages.get(name, ())
+        return own if stages is None else tuple(s for s in own if s in stages)
 
     def awake_tenants(self) -> list[str]:
         """The tenants fully awake in the view, by name."""
-        return sorted(name for name, up in self.awake.items() if up)
+        return sorted(name for name, up in self.awake.items()
+                      if up and up.issuperset(self.stages.get(name, ())))
 
     async def status(self) -> dict[int, HostStatus]:
         """host -> slot -> tenant -> awake stages ([] asleep, None unknown)."""
@@ -292,9 +310,9 @@ class Switchboard:
 
     def _update_awake(self) -> None:
         status = self.host_status
-        self.awake = {
-            name: all(set(status[h][slot].get(name) or ()) >= set(self.stages.get(name, ()))
-                      and bool(status[h][slot].get(name)) for h, slot in slots)
+        self.awake = {  # a slot whose state is unknown counts no stage awake
+            name: frozenset.intersection(*(frozenset(status[h][slot].get(name) or ())
+                                           for h, slot in slots))
             for name, slots in self.tenants.items()}
 
     def _changed(self) -> None:
