@@ -7,7 +7,9 @@
 `ServiceEndpoint[P, R]` keeps the endpoint's parameters `P` and result `R`, as Monarch's
 `Endpoint(Protocol[P, R])` does for an actor mesh; with the mypy plugin
 (`plugins = ["services.mypy_plugin"]`) `svc.generate` is typed from `Generator.generate`,
-so a type checker flags a wrong argument. A service reaches its replicas through `route`
+so a type checker flags a wrong argument. `phase(svc.generate)` wakes on the service's
+replicas only the stages the endpoint needs (`colocate.needs`). A service reaches its
+replicas through `route`
 (one replica) and `fanout` (every awake one) only: Monarch's actor verbs (`call`,
 `call_one`, `choose`, `broadcast`, `stream`) raise `AttributeError` saying so, and
 `endpoint_error` tells a method that is not an `@endpoint` from a name that is not there.
@@ -29,12 +31,23 @@ Fanout = Callable[[str, tuple, dict], Awaitable[list[Any]]]
 
 
 class ServiceEndpoint(Generic[P, R]):
-    """`route` to one awake, healthy replica (sticking to `session=`'s replica, as
-    `Service.session` gives one); `fanout` to every awake, healthy one."""
+    """`route` to one replica whose stages the endpoint needs are awake, and healthy
+    (sticking to `session=`'s replica, as `Service.session` gives one); `fanout` to every
+    such replica."""
 
-    def __init__(self, service: str, name: str, route: Route, fanout: Fanout) -> None:
+    def __init__(self, service: str, name: str, route: Route, fanout: Fanout,
+                 tenants: Callable[[], list[str]] = list,
+                 stages: tuple[str, ...] | None = None) -> None:
         self.service, self.name = service, name
-        self._route, self._fanout = route, fanout
+        self._route, self._fanout, self._tenants, self._stages = route, fanout, tenants, stages
+
+    def tenant_names(self) -> list[str]:
+        """The service's healthy replicas, by the arbiter's names."""
+        return self._tenants()
+
+    def stages(self) -> tuple[str, ...] | None:
+        """The stages its calls need awake (`colocate.needs`; None: every stage)."""
+        return self._stages
 
     async def route(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """The endpoint's result on one replica. `session=` (from `Service.session`) keeps
@@ -46,7 +59,7 @@ class ServiceEndpoint(Generic[P, R]):
         return await self._route(self.name, args, kwargs, session)
 
     async def fanout(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
-        """The endpoint's results on every awake, healthy replica, in replica order."""
+        """The endpoint's results on every replica it can run on now, in replica order."""
         return await self._fanout(self.name, args, kwargs)
 
     if not TYPE_CHECKING:  # a type checker reports these as missing attributes instead

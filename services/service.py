@@ -7,10 +7,11 @@ sessions, bounded retries, and a drained shutdown.
     async with svc.session() as s:                    # calls stick to one replica
         await svc.generate.route(prompt, session=s)
 
-A replica is awake when its tenant is awake on all its procs, as the arbiter reports; no
-call is sent to a replica that a switch in flight may put to sleep (the resource manager
-drains them first). When none is awake, `config.when_asleep` decides: wait (bounded),
-wake it, or fail with `ServiceAsleepError`. Every call ends in a result or an exception.
+A call goes to a replica whose tenant has the stages its endpoint needs (`colocate.needs`;
+undeclared: every stage) awake on all its procs, as the arbiter reports; never to one
+that a switch in flight may put to sleep (the resource manager drains them first). When
+none is, `config.when_asleep` decides: wait (bounded), wake those stages, or fail with
+`ServiceAsleepError`. Every call ends in a result or an exception.
 
 A replica whose proc dies is marked failed and, with `config.respawn`, started again on new
 procs for the same slots; calls go to the other replicas meanwhile, or wait for it when it
@@ -40,6 +41,7 @@ from typing import Any, Generic, TypeVar
 
 from monarch.actor import ActorError
 
+from colocate.calls import call_spec
 from colocate.memory import TagPausedError
 from colocate.monarch_compat import endpoint_names
 from colocate.resources.groups import Allocation
@@ -80,6 +82,7 @@ class Service(Generic[A]):
         self.autoscaler: Autoscaler | None = None  # made by `start`
         self.router = make_router(config.router)  # sessions stick there
         self.endpoints = endpoint_names(actor_class)
+        self.needs = {e: call_spec(actor_class, e).stages for e in self.endpoints}  # its stages
         self._session_ids = itertools.count()
         self.closed = False
         self.waiting = 0  # calls waiting for a replica
@@ -103,7 +106,8 @@ class Service(Generic[A]):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         if name not in endpoints:
             raise endpoint_error(self.name, self.actor_class, endpoints, name)
-        return ServiceEndpoint(self.name, name, self._route, self._fanout)
+        return ServiceEndpoint(self.name, name, self._route, self._fanout, self.tenant_names,
+                               self.needs[name])
 
     def tenant_names(self) -> list[str]:
         """The arbiter's names for the replicas: `phase(svc)` wakes them all."""
@@ -112,20 +116,24 @@ class Service(Generic[A]):
     # -- routing -------------------------------------------------------------------------
 
     def _ready(self, exclude: set[int]) -> list[Replica]:
-        """The replicas that can take a call now (healthy, and routable for the resource
-        manager: awake, no switch in flight), less those in `exclude`."""
+        """The healthy replicas not in `exclude` (none while its group restarts)."""
         if self._holding():
             return []
         return [r for r in self.replicas
-                if r.state is ReplicaState.HEALTHY and r.index not in exclude
-                and self.rm.routable(r.tenant)]
+                if r.state is ReplicaState.HEALTHY and r.index not in exclude]
+
+    def _routable(self, replicas: list[Replica],
+                  stages: tuple[str, ...] | None = None) -> list[Replica]:
+        """Those of `replicas` that can take a call needing `stages` (None: every stage)
+        now, for the resource manager: those stages awake, no switch in flight."""
+        return [r for r in replicas if self.rm.routable(r.tenant, stages)]
 
     def load_snapshot(self) -> LoadSnapshot:
         """What the autoscaler reads: the replicas not stopped, how many are ready, and how
         many calls wait for one."""
         live = tuple(ReplicaLoad(r.index, r.in_flight, r.busy_s, r.state is ReplicaState.HEALTHY)
                      for r in self.replicas if r.state is not ReplicaState.STOPPED)
-        return LoadSnapshot(live, len(self._ready(set())), self.waiting)
+        return LoadSnapshot(live, len(self._routable(self._ready(set()))), self.waiting)
 
     def _how_to_wake(self) -> str:
         return (f"Wake it for the calls: `async with phase(service):` around them (this "
@@ -135,16 +143,18 @@ class Service(Generic[A]):
     def _awake_elsewhere(self) -> str:
         return ", ".join(self.rm.awake_tenants()) or "nothing"
 
-    async def _pick(self, session: str | None, exclude: set[int]) -> Replica:
+    async def _pick(self, session: str | None, exclude: set[int],
+                    stages: tuple[str, ...] | None) -> Replica:
         self.waiting += 1
         try:
-            return await self._wait_for_replica(session, exclude)
+            return await self._wait_for_replica(session, exclude, stages)
         finally:
             self.waiting -= 1
 
-    async def _wait_for_replica(self, session: str | None, exclude: set[int]) -> Replica:
-        """An awake, healthy replica not in `exclude`; waits for one (bounded) as the
-        replicas' states and the `when_asleep` policy say, woken by each change."""
+    async def _wait_for_replica(self, session: str | None, exclude: set[int],
+                                stages: tuple[str, ...] | None) -> Replica:
+        """A healthy replica not in `exclude` with `stages` awake; waits for one (bounded)
+        as the replicas' states and the `when_asleep` policy say, woken by each change."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.wait_timeout_s
         woken = False
@@ -153,11 +163,10 @@ class Service(Generic[A]):
             since = self._changes.version  # before looking: a change after it ends the wait
             if self.closed:
                 raise ServiceClosedError(f"service {self.name!r} is shut down")
-            candidates = self._ready(exclude)
+            healthy = self._ready(exclude)  # none while held: that case comes first below
+            candidates = self._routable(healthy, stages)
             if candidates:
                 return self.router.pick(candidates, session)
-            healthy = [r for r in self.replicas
-                       if r.state is ReplicaState.HEALTHY and r.index not in exclude]
             coming = [r.index for r in self.replicas
                       if r.state in (ReplicaState.STARTING, ReplicaState.RECOVERING)]
             if self._holding():  # its group restarts: every replica comes back
@@ -179,7 +188,7 @@ class Service(Generic[A]):
                                          + self._how_to_wake())
             elif self.config.when_asleep == "wake" and not woken:
                 woken = True
-                await self.rm.wake(healthy[0].tenant)
+                await self.rm.wake_for(healthy[0].tenant, stages)
                 continue
             else:
                 late = ServiceAsleepError(
@@ -208,7 +217,7 @@ class Service(Generic[A]):
         failed: set[int] = set()
         faults = 0
         while True:
-            replica = await self._pick(session, failed)
+            replica = await self._pick(session, failed, self.needs[endpoint])
             try:
                 return await replica.call(endpoint, args, kwargs)
             except ServiceClosedError:
@@ -232,11 +241,13 @@ class Service(Generic[A]):
                     f"{type(fault).__name__}: {first}. {self.failures()}") from fault
 
     async def _fanout(self, endpoint: str, args: tuple, kwargs: dict) -> list[Any]:
-        """Every awake, healthy replica; when none is, the when_asleep policy first."""
-        replicas = self._ready(set())
+        """Every healthy replica with the endpoint's stages awake; when none is, the
+        when_asleep policy first."""
+        stages = self.needs[endpoint]
+        replicas = self._routable(self._ready(set()), stages)
         if not replicas:
-            picked = await self._pick(None, set())
-            replicas = self._ready(set()) or [picked]
+            picked = await self._pick(None, set(), stages)
+            replicas = self._routable(self._ready(set()), stages) or [picked]
         return list(await asyncio.gather(*(r.call(endpoint, args, kwargs) for r in replicas)))
 
     def lose(self, replica: Replica, err: BaseException) -> bool:
