@@ -71,7 +71,8 @@ class Replica:
     failure: str | None = None
     generation: int = 0  # how many times it was respawned (0: its first start)
     in_flight: int = 0
-    served: int = 0
+    served: int = 0  # calls that returned a result, all generations
+    failed: int = 0  # calls that raised (the endpoint's own error, the replica lost...)
     busy_s: float = 0.0  # time spent in its finished calls, all generations
     calls: Abortable = field(default_factory=Abortable)  # this generation's calls in flight
 
@@ -101,17 +102,24 @@ class Replica:
         self.changes.notify()
 
     async def call(self, endpoint: str, args: tuple, kwargs: dict) -> Any:
-        """Call `endpoint` on every proc of the replica; the result of its rank 0."""
+        """Call `endpoint` on every proc of the replica; the result of its rank 0. Counted
+        as `served` or `failed` (a cancelled call as neither)."""
         method = getattr(self.actors, endpoint)
         self.in_flight += 1
         start = time.monotonic()
         try:
             if self.procs == 1:
-                return await self.calls.run(method.call_one(*args, **kwargs))
-            results = await self.calls.run(method.call(*args, **kwargs))
-            return next(iter(results.items()))[1]
+                result = await self.calls.run(method.call_one(*args, **kwargs))
+            else:
+                results = await self.calls.run(method.call(*args, **kwargs))
+                result = next(iter(results.items()))[1]
+        except Exception:
+            self.failed += 1
+            raise
+        else:
+            self.served += 1
+            return result
         finally:
             self.in_flight -= 1
-            self.served += 1
             self.busy_s += time.monotonic() - start
             self.changes.notify()
