@@ -23,6 +23,7 @@ from typing import Any
 from monarch.actor import endpoint
 
 from colocate.arbiter.actor import TenantActor
+from colocate.calls import needs
 from colocate.engines import generator, trainer
 from colocate.engines.compute_thread import ComputeThread
 from colocate.engines.export import write_hf_model
@@ -63,6 +64,7 @@ class TrainerActor(TenantActor):
         return self.compute.run(self.trainer.step, loss_fn, batch)
 
     @endpoint
+    @needs("weights")
     def weights_need_every_rank(self) -> bool:
         """Whether its full weights are made by all its ranks together (FSDP: each bucket
         is gathered from every rank's shard), so a sync must call every rank at once; a
@@ -70,6 +72,7 @@ class TrainerActor(TenantActor):
         return self.trainer.sharded
 
     @endpoint
+    @needs("weights")
     def export_weights(self) -> WeightManifest | None:
         """The weights, in this host's shared memory, for a generator on other procs.
         Call it on every rank: rank 0 writes and answers, the others answer None (an FSDP
@@ -81,6 +84,7 @@ class TrainerActor(TenantActor):
         return export_weights(weights, self.tenant_name, self.exports)
 
     @endpoint
+    @needs("weights")
     def offer_weights(self) -> RemoteWeights | None:
         """The weights as RDMA buffers, for generators on other hosts (valid until the
         next offer). Call it on every rank, as `export_weights`."""
@@ -103,10 +107,12 @@ class TrainerActor(TenantActor):
         return None
 
     @endpoint
+    @needs("weights")
     def checksum(self) -> str:
         return digest(self.trainer.weights().tensors())
 
     @endpoint
+    @needs("weights", "optimizer")
     def save_checkpoint(self, path: str, wait: bool = True) -> None:
         """Save the training state into directory `path`, with the model directory's
         config and tokenizer under `path/hf` (`PolicyTrainer.save_checkpoint`). Call it on
@@ -114,6 +120,7 @@ class TrainerActor(TenantActor):
         self.trainer.save_checkpoint(path, wait=wait, frame_dir=self.model_dir)
 
     @endpoint
+    @needs("weights")
     def wait_checkpoint(self) -> str | None:
         """The save in flight's final path once written (None when none was in flight);
         raises the `CheckpointError` of a failed write. Every rank."""
@@ -126,6 +133,7 @@ class TrainerActor(TenantActor):
         self.trainer.load_checkpoint(path)
 
     @endpoint
+    @needs("weights")
     def export_model(self, out_dir: str) -> str | None:
         """The trained model as a Hugging Face directory at `out_dir`
         (`export.write_hf_model`). Call it on every rank: rank 0 writes and answers the
@@ -159,26 +167,31 @@ class GeneratorActor(TenantActor):
         self.tenancy = self.engine.tenancy
 
     @endpoint
+    @needs("weights", "kv_cache")
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         if self.compute is None:
             return self.engine.generate(prompts, params)
         return self.compute.run(self.engine.generate, prompts, params)
 
     @endpoint
+    @needs("weights")
     def receive(self, source: str) -> int:
         return self.engine.load_weights(published(source))
 
     @endpoint
+    @needs("weights")
     def load_exported(self, manifest: WeightManifest) -> int:
         return read_exported(manifest, self.engine.load_weights)
 
     @endpoint
+    @needs("weights")
     def load_remote(self, remote: RemoteWeights) -> int:
         """Fetch offered weights from another host, then load them (nothing is written
         unless every tensor arrived and matches)."""
         return self.engine.load_weights(fetch_weights(remote))
 
     @endpoint
+    @needs("weights")
     def checksum(self) -> str:
         return digest(self.engine.weights().tensors())
 
@@ -197,9 +210,11 @@ class ReferenceActor(TenantActor):
         self.compute = ComputeThread(f"{self.tenant_name}-compute")
 
     @endpoint
+    @needs("weights")
     def forward(self, fn: ForwardFn, batch: Any) -> Any:
         return self.compute.run(self.reference.forward, fn, batch)
 
     @endpoint
+    @needs("weights")
     def checksum(self) -> str:
         return self.reference.checksum()
