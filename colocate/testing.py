@@ -29,6 +29,7 @@ import torch
 from monarch.actor import endpoint
 
 from colocate.arbiter.actor import TenantActor
+from colocate.calls import needs
 from colocate.resources.gpus import gpus_per_host
 from colocate.resources.manager import ResourceManager, init
 
@@ -136,6 +137,28 @@ class MemoryTenant(TenantActor):
             torch.cuda.synchronize()
             return {"pid": os.getpid(), "used": telemetry.read_gpu(0).used_bytes}
         return {"pid": os.getpid(), "used": telemetry.process_rss()}
+
+
+class DeclaredTenant(MemoryTenant):
+    """A `MemoryTenant` whose endpoints `read` and `fill` declare the stages they need
+    (`colocate.needs`), so a service routes them while its other stage sleeps; its other
+    endpoints need every stage."""
+
+    @endpoint
+    @needs("weights")
+    def read(self) -> list[str]:
+        """Its awake stages; raises TagPausedError while its weights sleep."""
+        self.tenancy.ensure_stage("weights")
+        return list(self.tenancy.awake_stages())
+
+    @endpoint
+    @needs("cache")
+    def fill(self, value: float) -> list[str]:
+        """Fill the cache with `value`; its awake stages. Raises TagPausedError while its
+        cache sleeps."""
+        self.tenancy.ensure_stage("cache")
+        self.cache.fill_(value)
+        return list(self.tenancy.awake_stages())
 
 
 class FailingSleepTenant(MemoryTenant):
