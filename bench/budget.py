@@ -2,7 +2,8 @@
 three slot capacities, against the exclusive policy on the same seed.
 
 Capacities, from the tenants' estimated sizes (examples/rl_loop/budget.py): "ample" (twice
-what all hold: nothing need sleep), "tight" (0.9x what all hold: they cannot all be awake),
+what all hold: nothing need sleep), "tight" (`run.slot_memory=auto`'s: they cannot all be
+awake; at the default size the trainer's weights must move while the generator works),
 "exclusive" (the largest tenant alone, with 1% to spare: the estimate leaves out buffers).
 Per run: the bytes copied per step between slot
 memory and its host backup (out and in; discarded bytes and in-place syncs do not count)
@@ -22,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from examples.rl_loop.budget import tenant_sizes
+from examples.rl_loop.budget import auto_capacity, tenant_sizes
 from examples.rl_loop.config import load_config
 from examples.rl_loop.runtime import model_dir
 
@@ -34,8 +35,8 @@ def capacities(overrides: list[str], work: Path) -> dict[str, int]:
     """The three capacities for a model size (see module)."""
     cfg = load_config(overrides=overrides)
     sizes = tenant_sizes(cfg, model_dir(cfg, work))
-    totals = [sum(b for b, _ in stages.values()) for stages in sizes.values()]
-    return {"ample": 2 * sum(totals), "tight": int(0.9 * sum(totals)),
+    totals = [size.total for size in sizes.values()]
+    return {"ample": 2 * sum(totals), "tight": auto_capacity(sizes),
             "exclusive": int(1.01 * max(totals))}
 
 

@@ -25,6 +25,16 @@ from colocate.engines.weights import WeightStream, copy_weights, published
 STAGES = {"weights": True}  # stage -> kept across a sleep
 
 
+def working_bytes(config: dict, max_batch: int, max_len: int, element: int = 4) -> int:
+    """What a batch of generation holds beyond the weights, as its budget declares it: the
+    KV cache of `max_batch` sequences of `max_len` tokens (keys and values, every layer)
+    and one step's logits, in `element`-byte numbers (a Hugging Face `config` as a dict)."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim
+    return max_batch * (max_len * kv + config["vocab_size"]) * element
+
+
 class WeightsDiscardedError(RuntimeError):
     """The generator's weights were discarded at a sleep and none were loaded since."""
 
@@ -47,6 +57,9 @@ class TorchGenerator:
         self.tenancy.adopt(list(self.model.state_dict().values()), "weights")
         self.max_len = self.model.config.max_position_embeddings
         self.max_batch, self.device = max_batch, device
+        element = next(self.model.parameters()).element_size()
+        self.tenancy.working_bytes = working_bytes(self.model.config.to_dict(), max_batch,
+                                                   self.max_len, element)
 
     # -- weights -----------------------------------------------------------------------------
 

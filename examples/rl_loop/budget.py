@@ -8,13 +8,15 @@ switch; on CPU slots (which have no capacity of their own) a capacity below what
 tenants hold together, so that they take turns: 1.3x the largest tenant, but at most 0.9x
 all of them, from sizes estimated before anything starts (the model's parameters on the
 meta device: the trainer holds weights, AdamW's two moments and gradients; the generator and
-the reference their weights). The arbiter measures the real sizes at each switch.
+the reference their weights, and the generator works in a batch's KV cache and logits, as it
+declares). The arbiter measures the real sizes at each switch.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ import transformers
 
 from colocate import ArbiterConfig
 from colocate.arbiter.config import SlotTraffic
+from colocate.engines.generator import working_bytes
 from colocate.memory import Traffic
 from colocate.resources.manager import ResourceManager
 from examples.rl_loop.config import RLConfig
@@ -35,27 +38,37 @@ STAGES = {
     "generator": {"weights": (1, False)},
     "reference": {"weights": (1, True)},
 }
+GENERATOR_BATCH = 64  # the generator's max_batch (GeneratorActor's default)
 
 
-def parameters(model_dir: Path) -> tuple[int, int]:
-    """The bytes of the model's parameters and how many tensors hold them (tied ones
-    once), built on the meta device."""
+@dataclass(frozen=True)
+class Size:
+    """One tenant's estimated memory: stage -> (bytes, kept across a sleep), and the
+    working memory its calls take beside them."""
+
+    stages: dict[str, tuple[int, bool]]
+    working: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(b for b, _ in self.stages.values()) + self.working
+
+
+def tenant_sizes(cfg: RLConfig, model_dir: Path) -> dict[str, Size]:
+    """Each tenant's size, estimated (see module); AdamW also keeps a float32 step count
+    per parameter tensor."""
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     params = list(model.parameters())  # tied: once
-    return sum(p.numel() * p.element_size() for p in params), len(params)
-
-
-def tenant_sizes(cfg: RLConfig, model_dir: Path) -> dict[str, dict[str, tuple[int, bool]]]:
-    """tenant -> stage -> (bytes, kept across a sleep), estimated (see module); AdamW also
-    keeps a float32 step count per parameter tensor."""
-    weights, tensors = parameters(model_dir)
+    weights = sum(p.numel() * p.element_size() for p in params)
     tenants = ["trainer", "generator"] + (["reference"] if cfg.grpo.beta > 0 else [])
     sizes = {t: {s: (units * weights, kept) for s, (units, kept) in STAGES[t].items()}
              for t in tenants}
-    sizes["trainer"]["optimizer"] = (2 * weights + 4 * tensors, True)
-    return sizes
+    sizes["trainer"]["optimizer"] = (2 * weights + 4 * len(params), True)
+    working = {"generator": working_bytes(config.to_dict(), GENERATOR_BATCH,
+                                          config.max_position_embeddings)}
+    return {t: Size(stages, working.get(t, 0)) for t, stages in sizes.items()}
 
 
 def parse_bytes(value: str) -> int:
@@ -68,9 +81,9 @@ def parse_bytes(value: str) -> int:
     return int(text)
 
 
-def auto_capacity(sizes: dict[str, dict[str, tuple[int, bool]]]) -> int:
+def auto_capacity(sizes: dict[str, Size]) -> int:
     """CPU slots' `auto` capacity (see module)."""
-    totals = [sum(b for b, _ in stages.values()) for stages in sizes.values()]
+    totals = [size.total for size in sizes.values()]
     return int(min(1.3 * max(totals), 0.9 * sum(totals)))
 
 
@@ -85,17 +98,15 @@ def arbiter_config(cfg: RLConfig, model_dir: Path, on_gpu: bool) -> ArbiterConfi
     return ArbiterConfig(policy="budget", slot_capacity_bytes=capacity)
 
 
-def required_per_step(sizes: dict[str, dict[str, tuple[int, bool]]], capacity: int) -> int:
+def required_per_step(sizes: dict[str, Size], capacity: int) -> int:
     """The fewest bytes a step must copy to host memory and back under `capacity`, for the
-    trainer and the generator: while the generator is awake, the trainer's kept stages
-    beyond the room left hold out (its dropped ones go free), and while the trainer is
-    awake, the generator's; each stage out is copied out and back in once a step, and
-    stages go whole."""
-    trainer, generator = sizes["trainer"], sizes["generator"]
+    trainer and the generator: while one of them works (its stages and working memory),
+    the other's kept stages beyond the room left hold out (its dropped ones go free); each
+    stage out is copied out and back in once a step, and stages go whole."""
     required = 0
-    for awake, other in ((generator, trainer), (trainer, generator)):
-        room = capacity - sum(b for b, _ in awake.values())
-        kept = [b for b, k in other.values() if k]
+    for awake, other in (("generator", "trainer"), ("trainer", "generator")):
+        room = capacity - sizes[awake].total
+        kept = [b for b, k in sizes[other].stages.values() if k]
         overflow = sum(kept) - room
         if overflow > 0:
             required += 2 * min((sum(c) for n in range(1, len(kept) + 1)
