@@ -31,13 +31,12 @@ def policy(svc, when_asleep: str, wait_timeout_s: float = 60.0) -> None:
 
 
 async def pair(rm):
-    """Services a and b on the slot; b then woken whole, so a's cache slept for it (a
-    dropped stage goes before a kept one) and a's weights stayed."""
+    """Services a and b on the slot: b whole and a's weights awake, its cache asleep (a
+    sleeps first so that b fits as it starts, as it would on a full GPU)."""
     a = await spawn_service(ServiceConfig(resource_group="rl"), DeclaredTenant, 8, 1, name="a")
+    await rm.sleep("a_r0")
     b = await spawn_service(ServiceConfig(resource_group="rl"), DeclaredTenant, 8, 2, name="b")
-    assert await slot(rm) == {"a_r0": WHOLE, "b_r0": []}  # b did not fit beside a whole
-    async with phase(b):
-        pass
+    await rm.wake("a_r0", ["weights"])  # it fits beside b: nothing of b sleeps
     assert await slot(rm) == {"a_r0": ["weights"], "b_r0": WHOLE}
     return a, b
 
