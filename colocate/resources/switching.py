@@ -40,6 +40,7 @@ class Switchboard:
         self.on_lost = on_lost  # told of tenants an arbiter found lost: names, why
         self.tenants: dict[str, list[tuple[int, int]]] = {}  # name -> (host, slot)
         self.stages: dict[str, tuple[str, ...]] = {}  # name -> its stages
+        self.working: dict[str, int] = {}  # name -> its declared working memory
         self.pids: dict[str, dict[tuple[int, int], int]] = {}  # name -> (host, slot) -> pid
         self.awake: dict[str, frozenset[str]] = {}  # name -> awake on all its slots (last view)
         # under a policy that measures: (host, slot) -> the tenant last woken there, whose
@@ -97,6 +98,7 @@ class Switchboard:
             self.forget(name)
             raise
         self.stages[name] = infos[0].stages
+        self.working[name] = max(info.working_bytes for info in infos)
         self.pids[name] = {slot: info.pid for slot, info in zip(allocation.slots, infos,
                                                                 strict=True)}
         await self.refresh()
@@ -112,7 +114,7 @@ class Switchboard:
 
     def forget(self, name: str) -> None:
         """Forget a tenant here only (its arbiters no longer know it, or its slots are gone)."""
-        for table in (self.tenants, self.stages, self.pids, self.awake):
+        for table in (self.tenants, self.stages, self.working, self.pids, self.awake):
             table.pop(name, None)
         self.holders = {slot: n for slot, n in self.holders.items() if n != name}
 
@@ -154,9 +156,9 @@ class Switchboard:
 
     def holds(self, name: str) -> bool:
         """Whether `name` holds its slots' working memory (always, when the policy does
-        not measure): then a wake of it, awake, has nothing to do."""
-        return not self.measures or all(self.holders.get(s) == name
-                                        for s in self.tenants.get(name, ()))
+        not measure or it declares none): then a wake of it, awake, has nothing to do."""
+        return not self.measures or not self.working.get(name) or all(
+            self.holders.get(s) == name for s in self.tenants.get(name, ()))
 
     async def _holding(self, name: str, switch: Awaitable[None]) -> None:
         """Run a switch that leaves `name` holding its slots (unknown if it fails)."""
