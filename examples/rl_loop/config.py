@@ -12,17 +12,20 @@
 
 The YAML file is merged over the defaults, then the command line's `section.field=value`
 overrides (`run.steps=20`, `grpo.lr=1e-3`, `model.path=/models/qwen`). Each value is
-converted to its field's type or refused in one line naming the field and the type; each
-section validates itself when built.
+converted to its field's type or refused in one line naming the field and the type (a list
+field given one value, `data.train_files=train.jsonl`, is a list of that one); each
+section validates itself when built. The comment beside a field is its meaning, which
+`python -m examples.rl_loop --help` lists.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin, get_type_hints
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -44,17 +47,17 @@ class ModelConfig:
     """The policy. With `path`, that Hugging Face directory and its own tokenizer; without,
     a random `architecture` model of this shape over the task's characters."""
 
-    path: str | None = None
-    architecture: str = "llama"
-    hidden_size: int = 64
-    layers: int = 2
-    heads: int = 2
-    kv_heads: int = 1
-    intermediate_size: int = 128
-    max_positions: int = 32
-    init_std: float = 0.1  # initializer_range: at 0.02 (transformers' default) the toy
-    # task learns about half as fast (eval 0.46 at step 300; 0.87 with 0.1)
-    seed: int = 0
+    path: str | None = None  # a local Hugging Face causal-LM directory; null: a tiny one
+    architecture: str = "llama"  # the tiny model's transformers architecture
+    hidden_size: int = 64  # the tiny model's width
+    layers: int = 2  # the tiny model's decoder layers
+    heads: int = 2  # the tiny model's attention heads
+    kv_heads: int = 1  # the tiny model's key/value heads (grouped-query attention)
+    intermediate_size: int = 128  # the tiny model's MLP width
+    max_positions: int = 32  # the tiny model's longest sequence, prompt and completion
+    init_std: float = 0.1  # the tiny model's initializer_range: at 0.02 (transformers'
+    # default) the toy task learns about half as fast (eval 0.46 at step 300; 0.87 with 0.1)
+    seed: int = 0  # the tiny model's random weights
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -72,7 +75,7 @@ class TrainerConfig:
 
     parallel: str = "ddp"  # "ddp" or "fsdp" (FSDP2), when it spans several procs
     mixed_precision: bool = False  # fsdp: bf16 compute, fp32 gradient reduction
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute activations in backward: less memory
     bucket_mb: int = BUCKET_MB  # a weight sync moves full tensors this many MiB at a time
 
     def __post_init__(self) -> None:
@@ -90,7 +93,7 @@ class GeneratorConfig:
     on the same procs, `tensor_parallel_size` ranks per model copy and slots / that many
     data-parallel copies. (The torch generator runs one replica per slot.)"""
 
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # vLLM: ranks per model copy; it divides run.slots
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -100,13 +103,13 @@ class GeneratorConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    steps: int = 300
-    eval_every: int = 50
-    seed: int = 0
+    steps: int = 300  # GRPO steps in all (a resumed run goes on up to this many)
+    eval_every: int = 50  # the held-out evaluation every N steps (and at the end)
+    seed: int = 0  # sampling and the prompts' order
     engine: str = "torch"  # the generator: "torch" (built-in) or "vllm"
     slots: int = 1  # GPUs, or CPU procs standing in for them; trainer and generator share
     colocate: bool = True  # False: trainer and generator on separate slots (for comparison)
-    out: str = "runs/rl_loop"
+    out: str = "runs/rl_loop"  # the run's directory: plots, metrics.json, checkpoints, model
     wandb: bool = False  # also log to Weights & Biases, offline (`wandb sync` uploads)
     save_every: int = 50  # a checkpoint every N steps and at the end (0: never)
     keep_last: int = 2  # complete checkpoints kept under out/checkpoints
@@ -164,17 +167,87 @@ class RLConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RLConfig:
-    """The YAML file (default: config.yaml beside this module) with `overrides` applied."""
+    """The YAML file (default: config.yaml beside this module) with `overrides` applied. A
+    list field given one value (`data.train_files=a.jsonl`, `train_files: a.jsonl` in the
+    file) is a list of that one; given none (`data.train_files=`), the empty list. Every
+    error is a ValueError of one line naming the field (or the file) and the value."""
     bad = [item for item in overrides if "=" not in item or "." not in item.split("=")[0]]
     if bad:
         raise ValueError(f"override {bad[0]!r}: write section.field=value, e.g. run.steps=20")
+    file = Path(path or DEFAULT)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(RLConfig),
-                                 OmegaConf.load(Path(path or DEFAULT)),
-                                 OmegaConf.from_dotlist(list(overrides)))
+        layers = [_as_lists(_read_yaml(file))]
+        for item in overrides:
+            try:
+                layers.append(_as_lists(OmegaConf.to_container(OmegaConf.from_dotlist([item]),
+                                                               resolve=False)))
+            except yaml.YAMLError as err:
+                raise ValueError(f"{item}: not a value the command line can read "
+                                 f"({_first_line(err)}); quote it, e.g. "
+                                 f"'{item.split('=')[0]}=\"...\"'") from None
+        merged = OmegaConf.merge(OmegaConf.structured(RLConfig), *layers)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ValueError(_one_line(err)) from None
+
+
+def as_overridden(message: str) -> str:
+    """An error's message with each section's class named as its overrides name it:
+    `GRPOConfig.lr=0: must be > 0` -> `grpo.lr=0: must be > 0`."""
+    for section, cls in sections().items():
+        message = message.replace(f"{cls.__name__}.", f"{section}.")
+        message = message.replace(f"{cls.__name__}:", f"{section}:")
+    return message
+
+
+def _read_yaml(file: Path) -> dict[str, Any]:
+    """The config file as plain data, refused in one line when missing or not YAML."""
+    if not file.is_file():
+        raise ValueError(f"--config {file}: no such file; give a YAML file like "
+                         f"{DEFAULT}")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(file), resolve=False)
+    except yaml.YAMLError as err:
+        raise ValueError(f"--config {file}: not YAML ({_first_line(err)})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {file}: expected sections (model:, run: ...), "
+                         f"got a {type(data).__name__}")
+    return data
+
+
+def sections() -> dict[str, type]:
+    """Each section's dataclass: {"model": ModelConfig, ...}."""
+    hints = get_type_hints(RLConfig)
+    return {f.name: hints[f.name] for f in fields(RLConfig)}
+
+
+def list_fields() -> list[tuple[str, str]]:
+    """The (section, field) pairs whose type is a list (`data.train_files`...)."""
+    found = []
+    for section, cls in sections().items():
+        hints = get_type_hints(cls)
+        found += [(section, f.name) for f in fields(cls) if get_origin(hints[f.name]) is list]
+    return found
+
+
+def _as_lists(values: Any) -> Any:
+    """`values` (a config file's or an override's, as plain data) with each list field
+    given one value made a list of it (None or "": the empty list)."""
+    if not isinstance(values, dict):
+        return values
+    for section, name in list_fields():
+        entries = values.get(section)
+        if isinstance(entries, dict) and name in entries:
+            value = entries[name]
+            if value is None or value == "":
+                entries[name] = []
+            elif not isinstance(value, list | tuple):
+                entries[name] = [value]
+    return values
+
+
+def _first_line(err: Exception) -> str:
+    return " ".join(str(err).split("\n")[0].split()) or type(err).__name__
 
 
 def as_dict(cfg: RLConfig) -> dict[str, Any]:
@@ -189,3 +262,4 @@ def _one_line(err: OmegaConfBaseException) -> str:
         expected = str(err).splitlines()[0].rsplit(" to ", 1)[-1]
         return f"{key}={err.value!r}: expected a value of type {expected}"
     return f"{key}: {str(err).splitlines()[0]}"
+

@@ -30,7 +30,7 @@ FORMATS = (".jsonl", ".json", ".parquet")
 class DataConfig:
     """The user's prompts. Empty `train_files`: the built-in digit task."""
 
-    train_files: list[str] = field(default_factory=list)
+    train_files: list[str] = field(default_factory=list)  # JSONL, JSON, Parquet or datasets dirs
     eval_files: list[str] = field(default_factory=list)  # scored greedy, for eval_reward
     prompt_key: str = "prompt"  # the column with the prompt: text or chat messages
     max_prompt_length: int | None = None  # in tokens, the chat template's included
