@@ -7,6 +7,7 @@ Biases run under `<out>/wandb` (`wandb sync <that run's directory>` uploads it).
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 if TYPE_CHECKING:
     from examples.rl_loop.state import LoopState
+
+DETAILED_STEPS = 20  # up to this many steps memory.png draws every switch of the run
+ENVELOPE_BINS = 200  # past them, the least and the most held in at most this many bins
 
 
 @dataclass
@@ -143,24 +147,29 @@ class RunRecord:
 
     def _plot_memory(self, path: Path) -> None:
         """The whole run, and (once there are three) the last three steps up close, where
-        each switch can be seen."""
+        each switch can be seen. Past `DETAILED_STEPS` steps the whole run is drawn as an
+        envelope (`_envelope_panel`): every switch of a long run would be a solid block."""
         starts = [t for t, label in self.phases if label == "generate"]
         zoom = starts[-3] if len(starts) >= 3 else None
         fig, axes = plt.subplots(1 if zoom is None else 2, 1, figsize=(9, 7 if zoom else 4),
                                  squeeze=False)
-        self._memory_panel(axes[0][0], "memory per tenant; grey lines: phase switches", 0.0)
+        if len(starts) > DETAILED_STEPS:
+            self._envelope_panel(axes[0][0], starts)
+        else:
+            self._memory_panel(axes[0][0], "memory per tenant; grey lines: phase switches",
+                               0.0)
         if zoom is not None:
             self._memory_panel(axes[1][0], "the last three steps", zoom)
         fig.tight_layout()
         fig.savefig(path)
         plt.close(fig)
 
-    def _memory_panel(self, ax: Any, title: str, since: float) -> None:
-        """Per slot, from `since` on (with the reading in force then): what each tenant
-        holds, and their total, the figure a GPU's memory must fit."""
+    def _series(self, since: float) -> dict[str, list[tuple[float, float]]]:
+        """Per slot, from `since` on (with the reading in force then): (t, MiB) of what each
+        tenant holds, and of their total, the figure a GPU's memory must fit."""
         slots = self.config.get("run", {}).get("slots", 1)
         tenants = sorted({r["tenant"] for r in self.memory})
-        held = {tenant: 0 for tenant in tenants}
+        held = {tenant: 0.0 for tenant in tenants}
         series: dict[str, list[tuple[float, float]]] = {t: [] for t in [*tenants, "total"]}
         for reading in self.memory:
             held[reading["tenant"]] = reading["bytes"] / slots / 2**20
@@ -170,7 +179,11 @@ class RunRecord:
                 if points and points[-1][0] == t:  # the same moment: its last value holds
                     points.pop()
                 points.append((t, value))
-        for name, points in series.items():
+        return series
+
+    def _memory_panel(self, ax: Any, title: str, since: float) -> None:
+        """Every reading from `since` on, each phase switch a grey line."""
+        for name, points in self._series(since).items():
             style = {"color": "black", "lw": 2, "alpha": 0.6} if name == "total" else {}
             ax.step([t for t, _ in points], [v for _, v in points], where="post",
                     label=name, **style)
@@ -186,6 +199,60 @@ class RunRecord:
         ax.set(xlabel="seconds since the run started", ylabel="MiB held per slot",
                title=title)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
+
+    def _envelope_panel(self, ax: Any, starts: list[float]) -> None:
+        """The whole run by step: per tenant, the band from the least to the most it held
+        during each step (over at most `ENVELOPE_BINS` bins of steps, so the panel has as
+        many points at 2000 steps as at 200), the total's most as a line, and the run's
+        peaks in a box."""
+        envelopes = {name: _envelope(points, starts)
+                     for name, points in self._series(0.0).items()}
+        per_bin = -(-len(starts) // ENVELOPE_BINS)  # steps a bin, rounded up
+        peaks = []
+        for index, (name, (low, high)) in enumerate(envelopes.items()):
+            edges = [min(i * per_bin, len(starts)) for i in range(len(high) + 1)]
+            if name == "total":
+                ax.step(edges, [*high, high[-1]], where="post", color="black", lw=1.5,
+                        alpha=0.7, label="total (most in the step)")
+            else:
+                color = f"C{index}"
+                ax.fill_between(edges, [*low, low[-1]], [*high, high[-1]], step="post",
+                                color=color, alpha=0.35, lw=0, label=f"{name} (least..most)")
+                ax.step(edges, [*high, high[-1]], where="post", color=color, lw=0.8)
+            top = max(range(len(high)), key=high.__getitem__)
+            last = min((top + 1) * per_bin, len(starts)) - 1
+            where = f"step {last}" if per_bin == 1 else f"steps {top * per_bin}-{last}"
+            peaks.append(f"{name}: {min(low):.3g} to {high[top]:.3g} MiB\n  (the most: {where})")
+        ax.text(1.01, 0.0, f"the whole run, {len(starts)} steps:\n" + "\n".join(peaks),
+                transform=ax.transAxes, fontsize=7, va="bottom", ha="left")
+        ax.set_xlim(0, len(starts))
+        ax.set_ylim(bottom=0)
+        unit = "each step" if per_bin == 1 else f"each {per_bin} steps"
+        ax.set(xlabel="step (in the order run)", ylabel="MiB held per slot",
+               title=f"memory per tenant, the least and the most in {unit}")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+
+
+def _envelope(points: list[tuple[float, float]], starts: list[float]
+              ) -> tuple[list[float], list[float]]:
+    """The least and the most of a step function (`points`: (t, value), in time) over each
+    bin of steps, a step running from its start to the next one's (the readings before the
+    first step count in it); at most `ENVELOPE_BINS` bins."""
+    per_bin = -(-len(starts) // ENVELOPE_BINS)
+    bins = -(-len(starts) // per_bin)
+    low, high = [0.0] * bins, [0.0] * bins
+    value: float | None = None  # in force at the start of the bin the loop is in
+    point = 0
+    for b in range(bins):
+        end = starts[(b + 1) * per_bin] if (b + 1) * per_bin < len(starts) else math.inf
+        seen = [] if value is None else [value]
+        while point < len(points) and points[point][0] < end:
+            value = points[point][1]
+            seen.append(value)
+            point += 1
+        if seen:
+            low[b], high[b] = min(seen), max(seen)
+    return low, high
 
 
 def _offline_wandb(directory: Path, config: dict[str, Any]) -> Any:
