@@ -102,8 +102,7 @@ class ResourceManager:
         return name in self.groups.groups
 
     async def allocate(self, request: ResourceRequest, owner: str) -> Allocation:
-        """A slice of the group's procs for `owner`, first fit among the procs that `owner`
-        does not use yet. The group is reserved with the request's shape if it is new."""
+        """A slice of the group's procs for `owner` (`Groups.allocate`)."""
         return await self.groups.allocate(request, owner)
 
     def free(self, allocation: Allocation) -> None:
@@ -111,8 +110,7 @@ class ResourceManager:
         self.groups.free(allocation)
 
     async def replace_procs(self, allocation: Allocation) -> Allocation:
-        """New procs for the slots of an allocation whose procs died (same hosts, same
-        slots and CUDA_VISIBLE_DEVICES). The group's other procs are left as they are."""
+        """New procs for the slots of an allocation whose procs died (`Groups.replace`)."""
         return await self.groups.replace(allocation)
 
     async def restart_group(self, name: str, grace_s: float = 5.0) -> Group:
@@ -258,15 +256,20 @@ class ResourceManager:
                 return
         await self.wake(name, None if stages is None else list(stages))
 
+    async def make_room(self, name: str, asked_bytes: int) -> None:
+        """After a call of `name` ran out of memory asking `asked_bytes`, make that room
+        (`SlotArbiter.make_room`)."""
+        await self.switchboard.make_room(name, asked_bytes)
+
     async def sleep(self, name: str) -> None:
         """Put `name` to sleep on all its slots, verified."""
         await self.switchboard.sleep(name)
 
     async def handoff(self, source: str, target: str, keep: list[str] | None = None,
                       first: list[str] | None = None) -> int:
-        """Pass `source`'s weights to `target` on every slot they share, staged (see
-        `SlotArbiter.handoff`); returns the bytes copied on all slots. Afterwards `target`
-        is awake and `source` asleep there."""
+        """Pass `source`'s weights to `target` on every slot they share (see
+        `SlotArbiter.handoff`: under the exclusive policy `source` ends asleep, under a
+        budget it stays awake where it fits); returns the bytes copied on all slots."""
         return await self.switchboard.handoff(source, target, keep, first)
 
     def routable(self, name: str, stages: Sequence[str] | None = None) -> bool:
@@ -279,8 +282,7 @@ class ResourceManager:
             name, self.switchboard.needed(name, stages))
 
     def failure(self, name: str) -> str | None:
-        """Why the actors spawned as `name` failed (their proc died, an actor crashed);
-        None while they have not."""
+        """Why the actors spawned as `name` failed (None while they have not)."""
         return self.faults.why(name)
 
     def awake_tenants(self) -> list[str]:
@@ -296,8 +298,7 @@ class ResourceManager:
         return await self.switchboard.status()
 
     async def traffic(self) -> dict[int, dict[int, SlotTraffic]]:
-        """host -> slot -> what its switches moved so far (`SlotTraffic`: bytes copied to
-        host memory and back, bytes discarded, each stage's sleeps, the peak held)."""
+        """host -> slot -> what its switches moved so far (`SlotTraffic`)."""
         return await self.switchboard.traffic()
 
     async def usage(self, timeout_s: float = 10.0

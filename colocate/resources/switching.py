@@ -154,6 +154,14 @@ class Switchboard:
             h: self.arbiter(h).wake.call_one(name, slots, stages)
             for h, slots in by_host.items()}))
 
+    async def make_room(self, name: str, asked_bytes: int) -> None:
+        """A call of `name` asked `asked_bytes` more than its slots had free: its arbiters
+        learn the larger need and make the room (`SlotArbiter.make_room`)."""
+        by_host = self._by_host(name)
+        await self._holding(name, self._switch(self._neighbours(name), lambda: {
+            h: self.arbiter(h).make_room.call_one(name, asked_bytes, slots)
+            for h, slots in by_host.items()}))
+
     def holds(self, name: str) -> bool:
         """Whether `name` holds its slots' working memory (always, when the policy does
         not measure or it declares none): then a wake of it, awake, has nothing to do."""
