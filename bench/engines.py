@@ -47,10 +47,9 @@ from colocate.engines.models import load_model, load_tokenizer  # noqa: E402
 from colocate.engines.sampling import SamplingParams  # noqa: E402
 from colocate.engines.tiny import write_tiny_model  # noqa: E402
 from colocate.engines.trainer import PolicyTrainer  # noqa: E402
+from colocate.engines.weight_copy import check_weights, copy_weights  # noqa: E402
 from colocate.engines.weights import (  # noqa: E402
     as_stream,
-    check_weights,
-    copy_weights,
     export_weights,
     read_exported,
 )

@@ -25,12 +25,10 @@ from colocate.engines.models import ModelDirError, check_model_dir, load_model, 
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
 from colocate.engines.trainer import NonFiniteGradientsError, PolicyTrainer
+from colocate.engines.weight_copy import ALONE_BYTES, copy_plan, copy_weights
 from colocate.engines.weights import (
-    ALONE_BYTES,
     StaleWeightsError,
     WeightStream,
-    copy_plan,
-    copy_weights,
     digest,
     export_weights,
     read_exported,

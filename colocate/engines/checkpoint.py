@@ -7,9 +7,7 @@ step count, and each rank's RNG states (torch CPU, and CUDA's on CUDA). DCP resh
 load: a checkpoint written by 2 FSDP ranks loads into 1 proc, into DDP, and back.
 
 The directory (DCP's files, `trainer.json`, the model's frame under `hf/`, so a checkpoint
-alone is enough to export a model) and the errors are `checkpoint_files`'.
-
-Durability:
+alone is enough to export a model) and the errors are `checkpoint_files`'. Durability:
 
 - Asynchronous: `save(..., wait=False)` returns once the state is staged, a real copy in
   host memory (DCP's `BlockingAsyncStager`: new CPU tensors, then a copy; changing the
@@ -100,16 +98,12 @@ class Trainer(Protocol):
 
     @property
     def model(self) -> torch.nn.Module: ...
-
     @property
     def optimizer(self) -> torch.optim.Optimizer: ...
-
     @property
     def parallel(self) -> str: ...
-
     @property
     def rank(self) -> int: ...
-
     @property
     def tenancy(self) -> TaggedTenant: ...
 

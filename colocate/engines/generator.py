@@ -20,7 +20,8 @@ import torch
 
 from colocate.arbiter.tenant import TaggedTenant
 from colocate.engines.sampling import Completion, SamplingParams
-from colocate.engines.weights import WeightStream, copy_weights, published
+from colocate.engines.weight_copy import copy_weights
+from colocate.engines.weights import WeightStream, published
 
 STAGES = {"weights": True}  # stage -> kept across a sleep
 

@@ -38,7 +38,7 @@ from torch import nn
 from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 
 from colocate.arbiter.tenant import TaggedTenant, TenantInfo
-from colocate.engines.weights import check_weights
+from colocate.engines.weight_copy import check_weights
 from colocate.memory.storages import collect
 from colocate.resources.shm_files import record as record_shm
 

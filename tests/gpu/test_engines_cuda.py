@@ -16,7 +16,8 @@ from colocate.arbiter.local import LocalTenantHandle
 from colocate.engines.generator import TorchGenerator
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.trainer import PolicyTrainer
-from colocate.engines.weights import copy_plan, copy_weights, digest
+from colocate.engines.weight_copy import copy_plan, copy_weights
+from colocate.engines.weights import digest
 
 PROMPTS = [[1, 5, 9, 12], [1, 7], [1, 30, 31, 32, 33, 34]]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
