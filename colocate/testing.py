@@ -175,3 +175,19 @@ class FailingSleepTenant(MemoryTenant):
             raise RuntimeError("injected sleep failure")
         self.healthy_sleeps -= 1
         return self.tenancy.sleep(stages)
+
+
+class ScratchTenant(MemoryTenant):
+    """A `MemoryTenant` whose `scratch(mib)` works in `mib` MiB of tagged memory it never
+    declared (its "scratch" stage, dropped at a sleep): a call that may need more than its
+    slot has free."""
+
+    stages = {"weights": True, "cache": False, "scratch": False}
+
+    @endpoint
+    def scratch(self, mib: int) -> float:
+        """Fill `mib` MiB of scratch with ones, let it go, and return its sum."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        with self.tenancy.region("scratch", device=device):
+            work = torch.ones(mib << 18, device=device)
+        return float(work.sum())

@@ -42,12 +42,13 @@ from typing import Any, Generic, TypeVar
 from monarch.actor import ActorError
 
 from colocate.calls import call_spec
-from colocate.memory import TagPausedError
+from colocate.memory import SlotOutOfMemoryError, TagPausedError
 from colocate.monarch_compat import endpoint_names
 from colocate.resources.groups import Allocation
 from colocate.resources.manager import ResourceManager
 from colocate.resources.packing import ResourceRequest
 from colocate.resources.watcher import Watcher
+from services import room
 from services.autoscaler import Autoscaler, LoadSnapshot, ReplicaLoad
 from services.config import ServiceConfig
 from services.distributed import setup_distributed
@@ -215,7 +216,7 @@ class Service(Generic[A]):
     async def _route(self, endpoint: str, args: tuple, kwargs: dict,
                      session: str | None) -> Any:
         failed: set[int] = set()
-        faults = 0
+        faults, room_made = 0, False
         while True:
             replica = await self._pick(session, failed, self.needs[endpoint])
             try:
@@ -225,6 +226,13 @@ class Service(Generic[A]):
             except ActorError as err:
                 if isinstance(err.exception, TagPausedError):
                     continue  # put to sleep under us: not a failure; route again
+                if isinstance(err.exception, SlotOutOfMemoryError):  # services.room
+                    if room_made:
+                        raise room.refused(self.name, replica.tenant, err.exception,
+                                           "refused again after room was made") from None
+                    room_made = True
+                    await room.make_room(self.rm, self.name, replica.tenant, err.exception)
+                    continue
                 if not _is_fault(err):
                     raise err.exception from None  # the endpoint's own error: the caller's
                 fault: Exception = err

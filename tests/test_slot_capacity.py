@@ -127,3 +127,32 @@ def test_cuda_out_of_memory_reads_as_the_slots_refusal():
     assert isinstance(err, memory.SlotOutOfMemoryError)
     assert (err.asked_bytes, err.free_bytes) == (2 << 30, int(1.25 * (1 << 30)))
     assert from_cuda_oom(RuntimeError("CUDA out of memory")).asked_bytes == 0
+
+
+async def test_a_routed_call_that_runs_out_of_memory_gets_room_made_once():
+    from colocate import phase
+    from colocate.testing import MemoryTenant, ScratchTenant, start_runtime
+    from services import ServiceConfig, spawn_service
+
+    budget = ArbiterConfig(policy="budget", slot_capacity_bytes=40 * MiB)
+    async with start_runtime(gpus_per_host=1, arbiter=budget) as rm:
+        greedy = await spawn_service(ServiceConfig(resource_group="rl"), ScratchTenant, 8, 1,
+                                     name="greedy")
+        other = await spawn_service(ServiceConfig(resource_group="rl"), MemoryTenant, 8, 2,
+                                    name="other")
+        before = await other.checksum.route()
+        # 32 MiB held of 40: 12 more do not fit until other's cache (8, dropped) sleeps
+        assert await greedy.scratch.route(12) == 12 * MiB / 4
+        status = (await rm.status())[0][0]
+        assert status["other_r0"] == ["weights"] and "scratch" in status["greedy_r0"]
+        moved = (await rm.traffic())[0][0].moved
+        assert moved.copied == 0 and moved.discarded == 8 * MiB
+        async with phase(other):  # woken whole again: nothing of it was lost
+            assert await other.checksum.route() == before
+        with pytest.raises(memory.SlotOutOfMemoryError) as caught:
+            await greedy.scratch.route(64)  # more than the slot: no room can be made
+        text = str(caught.value)
+        assert "service 'greedy': greedy_r0 asked for 67108864 bytes" in text
+        assert "no room could be made" in text
+        assert (await rm.status())[0][0]["other_r0"] == ["weights", "cache"]  # none moved
+        assert await other.checksum.route() == before
