@@ -1,17 +1,15 @@
 """The arbiter's decisions for the slots of one host, free of Monarch so it runs anywhere.
 
 For each slot (a GPU, or a CPU proc standing in for one) it knows the tenants and which
-stages of each are awake. A request (`wake`, `sleep`, `register`, `handoff`) becomes one
-plan per slot: the policy's sleeps, each verified by measurement before the next step,
-then the wakes, in order. The plan goes to the slot's proc in one message and is carried
-out there against the tenants of that process (delivery.py, plan.py); the answer says
-what happened or where it stopped. Requests hold their slots' locks, taken in slot
-order, so they are served in arrival order per slot. A failure rolls the slot back to
-where the request found it, from the request's undo log (undo.py), and the error says
-where it stopped and who is awake where. A tenant whose proc died is lost at once (with
-the other tenants of that proc on the slot), not after a timeout.
+stages of each are awake. A request (`wake`, `sleep`, `register`, `handoff`, `make_room`)
+becomes plans per slot: the policy's sleeps, each verified by measurement, then the wakes
+(under the budget policy, a round of sleeps at a time, `room.py`). A plan goes to the
+slot's proc in one message and is carried out there against the tenants of that process
+(delivery.py, plan.py); the answer says what happened or where it stopped. Requests hold
+their slots' locks, taken in slot order, so they are served in arrival order per slot. A
+failure rolls the slot back to where the request found it (undo.py), and the error says
+where it stopped and who is awake where. A tenant whose proc died is lost at once.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -287,13 +285,16 @@ class SlotArbiter:
 
     async def _make_room(self, slot: Slot, log: UndoLog, name: str, wanted: Sequence[str],
                          todo: Sequence[str], protect: Sequence[tuple[str, str]] = (),
-                         working: bool = True, describe: bool = True) -> None:
+                         working: bool = True) -> None:
         """Sleep what the policy chooses until waking `todo` of `name` fits (with
         `working`: then holding the slot for its calls, with its working memory); each
         round of sleeps is verified and the free memory measured again. Raises
-        `SwitchError` when nothing more may sleep and it still does not fit. With
-        `describe`, the tenants' sizes are asked first (else: known in this request)."""
-        if describe:
+        `SwitchError` when nothing more may sleep and it still does not fit. The tenants'
+        sizes are asked first, unless those known fit with every tenant's declared working
+        memory to spare (what they may have grown by since: `room.growth_bound`)."""
+        if not self.policy.has_room(
+                room.needed_bytes(slot, name, todo, working) + room.growth_bound(slot),
+                self._free(slot)):
             await self._describe_all(slot)
         needed = room.needed_bytes(slot, name, todo, working)
         for _ in range(len(room.residents(slot, name, wanted, protect)) + 1):
@@ -355,7 +356,7 @@ class SlotArbiter:
             result = await self._attempt(slot, log, [*wake, Step(
                 RECEIVE, target, source=source, device=slot.infos[target].device)])
             rest = [s for s in stages if s not in slot.awake.get(target, ())]
-            await self._make_room(slot, log, target, stages, rest, describe=False)
+            await self._make_room(slot, log, target, stages, rest)
             if rest:
                 await self._attempt(slot, log, [Step(WAKE, target, tuple(rest),
                                                      device=slot.infos[target].device)])

@@ -59,6 +59,14 @@ def used_bytes(slot: Slot, holder: str) -> int:
     return telemetry.read_gpu_uuid(device).used_bytes
 
 
+def growth_bound(slot: Slot) -> int:
+    """How much the slot's live tenants may hold beyond what they last said: their calls
+    grow their tags only within their declared working memory (past it, a CPU slot's
+    capacity refuses them; a GPU's free memory is measured, not counted)."""
+    return sum(i.working_bytes + slot.extra_need.get(n, 0) for n, i in slot.infos.items()
+               if n not in slot.lost)
+
+
 def needed_bytes(slot: Slot, name: str, stages: Sequence[str], working: bool) -> int:
     """What waking `stages` of `name` takes: their bytes, and with `working` the tenant's
     working memory and what it was seen to need beyond it."""
