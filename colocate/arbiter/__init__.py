@@ -26,6 +26,6 @@ from colocate.arbiter.tenant import TaggedTenant, Tenancy, TenantHandle, TenantI
 
 __all__ = [
     "ArbiterConfig", "ArbiterError", "ArbiterTimeoutError", "Budget", "Exclusive", "Policy",
-    "PreemptTimeoutError", "ReleaseNotVerifiedError", "SlotArbiter", "SwitchAbortedError", "SwitchError",
-    "TaggedTenant", "Tenancy", "TenantHandle", "TenantInfo", "TenantLostError",
+    "PreemptTimeoutError", "ReleaseNotVerifiedError", "SlotArbiter", "SwitchAbortedError",
+    "SwitchError", "TaggedTenant", "Tenancy", "TenantHandle", "TenantInfo", "TenantLostError",
 ]

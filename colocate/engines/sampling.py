@@ -32,8 +32,17 @@ class SamplingParams:
 @dataclass
 class Completion:
     """One sampled continuation: its tokens (a stop token included, when one ended it) and
-    each token's log-probability under the sampling policy (temperature applied)."""
+    each token's log-probability under the sampling policy (temperature applied).
+
+    `finished` is False for a partial one: its call was preempted (a switch needed the
+    slot) before a stop token or `max_new_tokens` ended it. Pass it back to `generate`
+    (`partial=`) to continue it on the weights loaded then. `versions` says, token by
+    token, which weights sampled it: the generator's weights version (0 as loaded, + 1 at
+    each weight load), so a continued completion tells its old tokens from its new ones
+    (empty when the engine does not say)."""
 
     tokens: list[int]
     logprobs: list[float] = field(default_factory=list)
     stopped: bool = False  # ended by a stop token, not by max_new_tokens
+    finished: bool = True  # False: preempted part way, to be continued
+    versions: list[int] = field(default_factory=list)  # per token: the weights version

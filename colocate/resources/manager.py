@@ -32,8 +32,8 @@ from monarch.actor import Actor
 from colocate.arbiter.actor import HostStatus, Preempter, TenantActor
 from colocate.arbiter.config import ArbiterConfig, SlotTraffic
 from colocate.arbiter.tenant import TenantInfo
-from colocate.checks import check_int
 from colocate.calls import call_spec
+from colocate.checks import check_int
 from colocate.monarch_compat import endpoint_names, mesh_name
 from colocate.resources.faults import Faults
 from colocate.resources.gpus import gpus_per_host as detect_gpus

@@ -301,7 +301,7 @@ class Switchboard:
             try:
                 answers = await asyncio.wait_for(
                     self.preempters[name].preempt.call(name, bound), bound + PREEMPT_MESSAGE_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return {LATE}
             except Exception:  # its procs died: the drain finds them lost
                 return set()
