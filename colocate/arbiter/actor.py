@@ -18,6 +18,11 @@ process. So each tenant's sleep or wake runs once its call in flight has drained
 no call of it starts until the step is done. (Calls of a tenant about to sleep are
 drained by its services before the switch is sent: `resources.switching`.)
 
+Because of that lock a tenant cannot be asked to stop a running call through one of its
+own endpoints: a switch with preemption reaches it through a `Preempter`, a small actor
+beside it on the same procs, which calls the tenant's `preempt` hook from its own thread
+(see `preempt.py`).
+
 `remote_errors()` lets a caller catch the runtime's own errors (`TagPausedError`...) around
 a direct actor call, which Monarch delivers wrapped in its `ActorError`.
 """
