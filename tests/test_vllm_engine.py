@@ -22,7 +22,7 @@ import monarch.job  # noqa: E402, F401
 
 from colocate import memory, telemetry  # noqa: E402
 from colocate.engines.models import load_model, load_tokenizer  # noqa: E402
-from colocate.engines.sampling import SamplingParams  # noqa: E402
+from colocate.engines.sampling import Completion, SamplingParams  # noqa: E402
 from colocate.engines.tiny import write_tiny_model  # noqa: E402
 from colocate.engines.vllm_generator import VLLMGenerator  # noqa: E402
 from colocate.engines.weights import digest  # noqa: E402
@@ -102,6 +102,20 @@ def test_sampling_stops_and_scores_under_the_temperature(engine: VLLMGenerator,
     stopped = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=16, temperature=0,
                                                           stop_token_ids=(stop,)))[0]
     assert stopped.stopped and stopped.tokens == greedy[:greedy.index(stop) + 1]
+
+
+def test_partial_completions_are_continued(engine: VLLMGenerator) -> None:
+    """A partial (as a preempted torch generator returns it) is continued: on the same
+    weights, greedy, it ends as the whole call would have; a finished one comes back as is."""
+    whole = engine.generate(PROMPTS, GREEDY)
+    partial = [Completion(c.tokens[:3], c.logprobs[:3], finished=False, versions=[0] * 3)
+               for c in whole]
+    partial[-1] = whole[-1]
+    done = engine.generate(PROMPTS, GREEDY, partial)
+    assert [c.tokens for c in done] == [c.tokens for c in whole]
+    assert all(c.finished and c.versions == [engine.version] * len(c.tokens) for c in done[:-1])
+    assert done[-1] is whole[-1] or done[-1] == whole[-1]
+    assert done[0].logprobs[3:] == pytest.approx(whole[0].logprobs[3:], abs=1e-3)
 
 
 def test_sleep_releases_memory_and_wake_restores_it(engine: VLLMGenerator,

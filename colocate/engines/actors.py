@@ -175,12 +175,10 @@ class GeneratorActor(TenantActor):
         preempt=True)`) makes the torch engine return at its next decoding step, with
         each completion not ended by then `finished=False`; pass those back as `partial`
         (one per prompt, None for none) to continue them on the weights loaded since (see
-        `TorchGenerator.generate`). The vLLM engine is not preempted: it drains."""
+        `TorchGenerator.generate`). The vLLM engine continues partials too, but is not
+        preempted itself yet: its calls drain."""
         if self.compute is None:
-            if partial is not None:
-                raise NotImplementedError("the vLLM engine does not continue partial "
-                                          "completions yet: use the torch engine")
-            return self.engine.generate(prompts, params)
+            return self.engine.generate(prompts, params, partial)
         return self.compute.run(self.engine.generate, prompts, params, partial,
                                 self.preemption.asked)
 

@@ -20,12 +20,11 @@ recompute preemption does; each token records the weights `version` that sampled
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 
 import torch
 
 from colocate.arbiter.tenant import TaggedTenant
-from colocate.engines.sampling import Completion, SamplingParams
+from colocate.engines.sampling import Completion, SamplingParams, continued, partial_list
 from colocate.engines.weights import WeightStream, copy_weights, published
 
 STAGES = {"weights": True}  # stage -> kept across a sleep
@@ -129,7 +128,7 @@ class TorchGenerator:
             raise ValueError(f"prompts {too_long or 'with no tokens'} do not fit: each needs "
                              f"1 <= prompt + max_new_tokens ({params.max_new_tokens}) <= "
                              f"max_position_embeddings ({limit})")
-        before = _check_partial(partial, len(prompts), params)
+        before = partial_list(partial, len(prompts), params)
         rng = torch.Generator(device=self.device)
         rng.manual_seed(params.seed if params.seed is not None else torch.seed())
         todo = [i for i, done in enumerate(before) if done is None or not done.finished]
@@ -141,7 +140,7 @@ class TorchGenerator:
                               [params.max_new_tokens - len(p) for p in prefixes], params, rng,
                               stop)
             for row, completion in zip(rows, new, strict=True):
-                out[row] = _joined(before[row], completion, self.version)
+                out[row] = continued(before[row], completion, self.version)
         return out  # type: ignore[return-value]
 
     def _batch(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int],
@@ -225,37 +224,3 @@ def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, budgets: Sequence
         out.append(Completion(row_tokens[:cut], row_logprobs[:cut], stopped=end is not None,
                               finished=finished))
     return out
-
-
-def _check_partial(partial: Sequence[Completion | None] | None, count: int,
-                   params: SamplingParams) -> list[Completion | None]:
-    """`partial` as a list of `count` (None: nothing before), each checked."""
-    if partial is None:
-        return [None] * count
-    partial = list(partial)
-    if len(partial) != count:
-        raise ValueError(f"partial has {len(partial)} completions for {count} prompts: give "
-                         "one per prompt (None where there is nothing to continue)")
-    for i, done in enumerate(partial):
-        if done is None:
-            continue
-        if len(done.logprobs) != len(done.tokens) or done.versions and \
-                len(done.versions) != len(done.tokens):
-            raise ValueError(f"partial[{i}]: {len(done.tokens)} tokens but "
-                             f"{len(done.logprobs)} log-probabilities and {len(done.versions)} "
-                             "versions: pass back a completion as generate returned it")
-        if not done.finished and len(done.tokens) >= params.max_new_tokens:
-            raise ValueError(f"partial[{i}] has {len(done.tokens)} tokens already, "
-                             f"max_new_tokens={params.max_new_tokens}: nothing is left to "
-                             "continue (use the max_new_tokens of the call it came from)")
-    return partial
-
-
-def _joined(before: Completion | None, new: Completion, version: int) -> Completion:
-    """`new` (sampled now, on weights `version`) after what `before` had."""
-    if before is None:
-        return replace(new, versions=[version] * len(new.tokens))
-    old_versions = before.versions or [-1] * len(before.tokens)  # -1: not known
-    return Completion(before.tokens + new.tokens, before.logprobs + new.logprobs,
-                      stopped=new.stopped, finished=new.finished,
-                      versions=old_versions + [version] * len(new.tokens))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -46,3 +47,38 @@ class Completion:
     stopped: bool = False  # ended by a stop token, not by max_new_tokens
     finished: bool = True  # False: preempted part way, to be continued
     versions: list[int] = field(default_factory=list)  # per token: the weights version
+
+
+def partial_list(partial: Sequence[Completion | None] | None, count: int,
+                   params: SamplingParams) -> list[Completion | None]:
+    """A `generate` call's `partial` as a list of `count` (None: nothing before), each
+    checked: one per prompt, as a generator returned it, with tokens left to sample."""
+    if partial is None:
+        return [None] * count
+    partial = list(partial)
+    if len(partial) != count:
+        raise ValueError(f"partial has {len(partial)} completions for {count} prompts: give "
+                         "one per prompt (None where there is nothing to continue)")
+    for i, done in enumerate(partial):
+        if done is None:
+            continue
+        if len(done.logprobs) != len(done.tokens) or done.versions and \
+                len(done.versions) != len(done.tokens):
+            raise ValueError(f"partial[{i}]: {len(done.tokens)} tokens but "
+                             f"{len(done.logprobs)} log-probabilities and {len(done.versions)} "
+                             "versions: pass back a completion as generate returned it")
+        if not done.finished and len(done.tokens) >= params.max_new_tokens:
+            raise ValueError(f"partial[{i}] has {len(done.tokens)} tokens already, "
+                             f"max_new_tokens={params.max_new_tokens}: nothing is left to "
+                             "continue (use the max_new_tokens of the call it came from)")
+    return partial
+
+
+def continued(before: Completion | None, new: Completion, version: int) -> Completion:
+    """`new` (sampled now, on weights `version`) after what `before` had."""
+    if before is None:
+        return replace(new, versions=[version] * len(new.tokens))
+    old_versions = before.versions or [-1] * len(before.tokens)  # -1: not known
+    return Completion(before.tokens + new.tokens, before.logprobs + new.logprobs,
+                      stopped=new.stopped, finished=new.finished,
+                      versions=old_versions + [version] * len(new.tokens))
