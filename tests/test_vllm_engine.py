@@ -118,6 +118,24 @@ def test_partial_completions_are_continued(engine: VLLMGenerator) -> None:
     assert done[0].logprobs[3:] == pytest.approx(whole[0].logprobs[3:], abs=1e-3)
 
 
+def test_a_stopped_call_aborts_its_requests_and_returns_their_outputs_so_far(
+        engine: VLLMGenerator) -> None:
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, seed=9)
+    whole = engine.generate(PROMPTS, params)
+    steps = iter(range(100))
+    partial = engine.generate(PROMPTS, params, stop=lambda: next(steps) >= 3)
+    assert engine.preemptible and not any(c.finished for c in partial)
+    for part, full in zip(partial, whole, strict=True):
+        assert 0 < len(part.tokens) < len(full.tokens)
+        assert part.tokens == full.tokens[:len(part.tokens)]
+        assert part.logprobs == pytest.approx(full.logprobs[:len(part.tokens)], abs=1e-4)
+    assert engine.generate(PROMPTS, params) == whole  # nothing left behind in the engine
+    done = engine.generate(PROMPTS, params, partial)
+    assert all(c.finished and len(c.tokens) == 12 for c in done)
+    assert [c.tokens[:len(p.tokens)] for c, p in zip(done, partial, strict=True)] \
+        == [p.tokens for p in partial]
+
+
 def test_sleep_releases_memory_and_wake_restores_it(engine: VLLMGenerator,
                                                     model: Model) -> None:
     before, weights = engine.generate(PROMPTS, GREEDY), digest(engine.weights().tensors())

@@ -175,17 +175,19 @@ class GeneratorActor(TenantActor):
         preempt=True)`) makes the torch engine return at its next decoding step, with
         each completion not ended by then `finished=False`; pass those back as `partial`
         (one per prompt, None for none) to continue them on the weights loaded since (see
-        `TorchGenerator.generate`). The vLLM engine continues partials too, but is not
-        preempted itself yet: its calls drain."""
+        `TorchGenerator.generate`). The vLLM engine does the same (a one-rank engine: it
+        aborts its requests and returns their outputs so far; a replica of several ranks
+        drains)."""
         if self.compute is None:
-            return self.engine.generate(prompts, params, partial)
+            return self.engine.generate(prompts, params, partial, self.preemption.asked)
         return self.compute.run(self.engine.generate, prompts, params, partial,
                                 self.preemption.asked)
 
     def preempt(self) -> bool:
         """The preempt hook (see `TenantActor.preempt`): the torch engine polls the flag
-        before each decoding step; vLLM's cannot stop early yet (its calls drain)."""
-        if self.compute is None:
+        before each decoding step, vLLM's after each engine step (then aborts its
+        requests); a vLLM replica of several ranks cannot stop early (its calls drain)."""
+        if self.compute is None and not self.engine.preemptible:
             return False
         self.preemption.request()
         return True

@@ -46,7 +46,9 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     stopped: bool = False  # ended by a stop token, not by max_new_tokens
     finished: bool = True  # False: preempted part way, to be continued
-    versions: list[int] = field(default_factory=list)  # per token: the weights version
+    # per token: the weights version; provenance, not content: two completions of equal
+    # tokens, log-probabilities and ends are equal whatever loads came between
+    versions: list[int] = field(default_factory=list, compare=False)
 
 
 def partial_list(partial: Sequence[Completion | None] | None, count: int,

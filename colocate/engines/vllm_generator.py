@@ -36,12 +36,13 @@ from (temperature and top-p applied; raw logits when greedy), as the torch gener
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ class VLLMGenerator:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
         config = json.loads((Path(model_dir) / "config.json").read_text())
         ranks = _engine_ranks(llm_kwargs, config)
+        self.ranks = ranks  # tensor x data parallel
         self.max_model_len = llm_kwargs.pop("max_model_len", config["max_position_embeddings"])
         self.version = 0  # of the weights: + 1 at each load (Completion.versions)
         native = torch.cuda.is_available()
@@ -144,11 +146,16 @@ class VLLMGenerator:
     # -- generation ------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 partial: Sequence[Completion | None] | None = None) -> list[Completion]:
+                 partial: Sequence[Completion | None] | None = None,
+                 stop: Callable[[], bool] | None = None) -> list[Completion]:
         """One completion per prompt (token ids), in order. `partial[i]`, when given, is
         what an earlier call returned for prompt i: an unfinished one is continued (prompt
         and prefix prefilled on the weights loaded now, as the torch generator does), a
-        finished one comes back as it is. (This engine is not preempted itself yet.)"""
+        finished one comes back as it is.
+
+        `stop` is polled after each engine step; once it answers True the requests still
+        running are aborted and their outputs so far returned, `finished=False` (a
+        preempted call; only a one-rank engine is preempted: `preemptible`)."""
         self._ensure_awake(STAGES, "generate")
         limit = self.max_model_len
         too_long = [i for i, p in enumerate(prompts) if len(p) + params.max_new_tokens > limit]
@@ -164,7 +171,7 @@ class VLLMGenerator:
         requests = [list(p) + prefix for p, prefix in zip(prompts, prefixes, strict=True)]
         budgets = [params.max_new_tokens - len(prefix) for prefix in prefixes]
         if self.data_parallel == 1:
-            new = self._generate(requests, todo, params, budgets)
+            new = self._generate(requests, todo, params, budgets, stop)
         else:
             # SPMD: every rank got every prompt; each data-parallel rank generates its
             # share (one in data_parallel) and all ranks gather the whole list, in order.
@@ -182,15 +189,37 @@ class VLLMGenerator:
             out[index] = continued(before[index], completion, self.version)
         return out
 
+    @property
+    def preemptible(self) -> bool:
+        """Whether a call can be stopped early: a one-rank engine only (ranks of one
+        replica step together, and would part ways at a preempt)."""
+        return self.ranks == 1
+
     def _generate(self, prompts: Sequence[Sequence[int]], indices: Iterable[int],
-                  params: SamplingParams, budgets: Sequence[int]) -> list[Completion]:
+                  params: SamplingParams, budgets: Sequence[int],
+                  stop: Callable[[], bool] | None = None) -> list[Completion]:
         """Completions of `prompts[i]` for i in `indices`, of at most `budgets[i]` tokens;
-        request i seeded with seed + i."""
-        indices = list(indices)
-        requests = [vllm.TokensPrompt(prompt_token_ids=list(prompts[i])) for i in indices]
-        outputs = self.llm.generate(requests, [_vllm_params(params, i, budgets[i])
-                                               for i in indices], use_tqdm=False)
-        return [_completion(out.outputs[0]) for out in outputs]
+        request i seeded with seed + i. The engine is stepped here (what `LLM.generate`
+        does), so that `stop` can end it between steps: the requests still running are
+        aborted and their (cumulative) outputs so far kept."""
+        engine = self.llm.llm_engine
+        ids = [f"colocate-{next(_REQUESTS)}" for _ in indices]
+        for rid, i in zip(ids, indices, strict=True):
+            engine.add_request(rid, vllm.TokensPrompt(prompt_token_ids=list(prompts[i])),
+                               _vllm_params(params, i, budgets[i]))
+        last: dict[str, Any] = {}
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    last[out.request_id] = out
+                if stop is not None and engine.has_unfinished_requests() and stop():
+                    break
+        finally:
+            running = [rid for rid in ids if rid not in last or not last[rid].finished]
+            if running:
+                engine.abort_request(running)
+        return [_completion(last[rid].outputs[0], last[rid].finished) if rid in last
+                else Completion([], finished=False) for rid in ids]
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -366,10 +395,13 @@ def _vllm_params(params: SamplingParams, index: int, budget: int) -> vllm.Sampli
     )
 
 
-def _completion(out: Any) -> Completion:
+def _completion(out: Any, finished: bool = True) -> Completion:
     tokens = list(out.token_ids)
     logprobs = [entry[token].logprob for token, entry in zip(tokens, out.logprobs, strict=True)]
-    return Completion(tokens, logprobs, stopped=out.finish_reason == "stop")
+    return Completion(tokens, logprobs, stopped=out.finish_reason == "stop", finished=finished)
+
+
+_REQUESTS = itertools.count()  # request ids, unique in the process
 
 
 @contextmanager
