@@ -8,10 +8,16 @@
 
     async with phase(trainer.save_checkpoint):   # a service's endpoint: only the stages
         ...                                      # it needs (`colocate.needs`) wake
+    async with phase(trainer, preempt=True):     # the generator's running @preemptible
+        ...                                      # calls return what they have, at once
 
 On entry the arbiters wake each named tenant in turn, putting to sleep whoever conflicts;
 one that cannot wake (its proc died: `TenantLostError`) does not keep the others asleep,
-and its error is raised once the others are awake. On exit nothing moves: the tenant stays
+and its error is raised once the others are awake. With `preempt=True` the calls of the
+tenants put to sleep that are declared `@preemptible` are not waited for: they are asked
+to return what they have (a generator's partial completions, `finished=False`), and a
+tenant that does not within `ArbiterConfig.preempt_timeout_s` fails the entry, named
+(`PreemptTimeoutError`); other calls drain as ever. On exit nothing moves: the tenant stays
 awake until another phase needs its slots, so a repeated phase costs no switch.
 
 The blocking form runs the switch on a helper thread's loop while it holds the caller's. In
@@ -85,11 +91,12 @@ class phase:  # noqa: N801 - used like a function, as contextlib's helpers are
     of them (default: all), or of one with `stages()` (an endpoint), the stages it needs."""
 
     def __init__(self, *targets: str | HasTenants, stages: list[str] | None = None,
-                 rm: ResourceManager | None = None) -> None:
+                 rm: ResourceManager | None = None, preempt: bool = False) -> None:
         _wakes(targets, stages)  # a bad target fails here, not at the first entry
         self.targets = targets  # names read at each entry: a respawned replica's is new
         self.stages = stages
         self.rm = rm
+        self.preempt = preempt
 
     async def _enter(self) -> None:
         """Wake each tenant in turn; one that fails does not keep the others asleep: the
@@ -98,8 +105,9 @@ class phase:  # noqa: N801 - used like a function, as contextlib's helpers are
         failed: list[tuple[str, Exception]] = []
         for name, stages, needs in _wakes(self.targets, self.stages):
             try:
-                await (rm.wake_for(name, stages) if needs else
-                       rm.wake(name, None if stages is None else list(stages)))
+                await (rm.wake_for(name, stages, preempt=self.preempt) if needs else
+                       rm.wake(name, None if stages is None else list(stages),
+                               preempt=self.preempt))
             except Exception as err:
                 failed.append((name, err))
         if failed:

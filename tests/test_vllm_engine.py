@@ -22,7 +22,7 @@ import monarch.job  # noqa: E402, F401
 
 from colocate import memory, telemetry  # noqa: E402
 from colocate.engines.models import load_model, load_tokenizer  # noqa: E402
-from colocate.engines.sampling import SamplingParams  # noqa: E402
+from colocate.engines.sampling import Completion, SamplingParams  # noqa: E402
 from colocate.engines.tiny import write_tiny_model  # noqa: E402
 from colocate.engines.vllm_generator import VLLMGenerator  # noqa: E402
 from colocate.engines.weights import digest  # noqa: E402
@@ -102,6 +102,38 @@ def test_sampling_stops_and_scores_under_the_temperature(engine: VLLMGenerator,
     stopped = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=16, temperature=0,
                                                           stop_token_ids=(stop,)))[0]
     assert stopped.stopped and stopped.tokens == greedy[:greedy.index(stop) + 1]
+
+
+def test_partial_completions_are_continued(engine: VLLMGenerator) -> None:
+    """A partial (as a preempted torch generator returns it) is continued: on the same
+    weights, greedy, it ends as the whole call would have; a finished one comes back as is."""
+    whole = engine.generate(PROMPTS, GREEDY)
+    partial = [Completion(c.tokens[:3], c.logprobs[:3], finished=False, versions=[0] * 3)
+               for c in whole]
+    partial[-1] = whole[-1]
+    done = engine.generate(PROMPTS, GREEDY, partial)
+    assert [c.tokens for c in done] == [c.tokens for c in whole]
+    assert all(c.finished and c.versions == [engine.version] * len(c.tokens) for c in done[:-1])
+    assert done[-1] is whole[-1] or done[-1] == whole[-1]
+    assert done[0].logprobs[3:] == pytest.approx(whole[0].logprobs[3:], abs=1e-3)
+
+
+def test_a_stopped_call_aborts_its_requests_and_returns_their_outputs_so_far(
+        engine: VLLMGenerator) -> None:
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, seed=9)
+    whole = engine.generate(PROMPTS, params)
+    steps = iter(range(100))
+    partial = engine.generate(PROMPTS, params, stop=lambda: next(steps) >= 3)
+    assert engine.preemptible and not any(c.finished for c in partial)
+    for part, full in zip(partial, whole, strict=True):
+        assert 0 < len(part.tokens) < len(full.tokens)
+        assert part.tokens == full.tokens[:len(part.tokens)]
+        assert part.logprobs == pytest.approx(full.logprobs[:len(part.tokens)], abs=1e-4)
+    assert engine.generate(PROMPTS, params) == whole  # nothing left behind in the engine
+    done = engine.generate(PROMPTS, params, partial)
+    assert all(c.finished and len(c.tokens) == 12 for c in done)
+    assert [c.tokens[:len(p.tokens)] for c, p in zip(done, partial, strict=True)] \
+        == [p.tokens for p in partial]
 
 
 def test_sleep_releases_memory_and_wake_restores_it(engine: VLLMGenerator,

@@ -5,8 +5,9 @@ without Monarch; `config` holds its settings and per-slot state; a switch is a `
 per proc, carried out where the memory is (`delivery` sends it and reads the answer,
 `handoff` builds the trainer-to-generator one, `undo` rolls a failed one back);
 `actor.Arbiter` is the per-host Monarch actor around it and `actor.TenantActor` the
-tenants' base class, which runs plans; `policy` answers its questions (who sleeps, who
-may share a slot); `tenant` is the protocol tenants follow.
+tenants' base class, which runs plans; `preempt` is how a switch stops a running call
+early; `policy` answers its questions (who sleeps, who may share a slot); `tenant` is the
+protocol tenants follow.
 """
 
 from colocate.arbiter.config import ArbiterConfig
@@ -14,6 +15,7 @@ from colocate.arbiter.core import SlotArbiter
 from colocate.arbiter.errors import (
     ArbiterError,
     ArbiterTimeoutError,
+    PreemptTimeoutError,
     ReleaseNotVerifiedError,
     SwitchAbortedError,
     SwitchError,
@@ -24,6 +26,6 @@ from colocate.arbiter.tenant import TaggedTenant, Tenancy, TenantHandle, TenantI
 
 __all__ = [
     "ArbiterConfig", "ArbiterError", "ArbiterTimeoutError", "Budget", "Exclusive", "Policy",
-    "ReleaseNotVerifiedError", "SlotArbiter", "SwitchAbortedError", "SwitchError",
-    "TaggedTenant", "Tenancy", "TenantHandle", "TenantInfo", "TenantLostError",
+    "PreemptTimeoutError", "ReleaseNotVerifiedError", "SlotArbiter", "SwitchAbortedError",
+    "SwitchError", "TaggedTenant", "Tenancy", "TenantHandle", "TenantInfo", "TenantLostError",
 ]

@@ -18,6 +18,11 @@ process. So each tenant's sleep or wake runs once its call in flight has drained
 no call of it starts until the step is done. (Calls of a tenant about to sleep are
 drained by its services before the switch is sent: `resources.switching`.)
 
+Because of that lock a tenant cannot be asked to stop a running call through one of its
+own endpoints: a switch with preemption reaches it through a `Preempter`, a small actor
+beside it on the same procs, which calls the tenant's `preempt` hook from its own thread
+(see `preempt.py`).
+
 `remote_errors()` lets a caller catch the runtime's own errors (`TagPausedError`...) around
 a direct actor call, which Monarch delivers wrapped in its `ActorError`.
 """
@@ -46,6 +51,7 @@ from colocate.arbiter.core import SlotArbiter
 from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.pid_watch import PidWatch
 from colocate.arbiter.plan import Plan, PlanResult, run_here
+from colocate.arbiter.preempt import HONOURED, LATE, UNSUPPORTED, Preemption
 from colocate.arbiter.tenant import TaggedTenant, Tenancy, TenantInfo
 from colocate.memory.capacity import from_cuda_oom
 from colocate.monarch_compat import EndpointProperty, endpoint_function, set_endpoint_function
@@ -103,9 +109,14 @@ def _serialize_endpoints(cls: type) -> None:
 
 
 def _holding_busy(method: Any) -> Any:
+    preempts = getattr(method, "__colocate_call__", None) is not None \
+        and method.__colocate_call__.preemptible
+
     @functools.wraps(method)
     def holding(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with _busy_lock(self):
+        # a preemptible call is counted while it runs: a preempt waits for it (preempt.py)
+        with _busy_lock(self), \
+                self.preemption.call() if preempts else contextlib.nullcontext():
             try:
                 return method(self, *args, **kwargs)
             except torch.cuda.OutOfMemoryError as err:  # as a CPU slot's refusal says it
@@ -170,6 +181,25 @@ class TenantActor(Actor, metaclass=_KeepsInitError):
     def tenancy(self, tenancy: Tenancy) -> None:
         self._tenancy = tenancy
 
+    @property
+    def preemption(self) -> Preemption:
+        """This tenant's preempt flag, which its `@preemptible` endpoints poll
+        (`self.preemption.asked()`), and the count of those running (see `preempt`)."""
+        if "_preemption" not in self.__dict__:
+            with _BUSY_MADE:
+                self.__dict__.setdefault("_preemption", Preemption())
+        return self.__dict__["_preemption"]
+
+    def preempt(self) -> bool:
+        """The preempt hook (a plain method, not an endpoint: a `Preempter` calls it from its
+        own thread while one of this tenant's calls runs). Ask the running `@preemptible`
+        calls to return what they have, and say whether they will; False (the default):
+        they cannot stop early, and a preempting switch drains them as any call.
+
+        A tenant whose preemptible endpoints poll `self.preemption.asked()` overrides it:
+        `self.preemption.request(); return True`."""
+        return False
+
     @endpoint
     def started(self) -> None:
         """Raise what `__init__` raised, if it did (the exception itself, or its type and
@@ -223,6 +253,29 @@ class TenantActor(Actor, metaclass=_KeepsInitError):
 
 
 _HERE: weakref.WeakValueDictionary[str, TenantActor] = weakref.WeakValueDictionary()
+
+
+class Preempter(Actor):
+    """Asks the tenants of its process to preempt their calls (see `preempt.py`). Spawned
+    beside each tenant that declares a `@preemptible` endpoint, on the same procs: it has a
+    thread of its own, so it reaches a tenant while the tenant's busy lock is held."""
+
+    @endpoint
+    def preempt(self, name: str, timeout_s: float) -> str:
+        """Set tenant `name`'s preempt flag and wait, up to `timeout_s`, for its running
+        preemptible calls to return: `HONOURED`, `LATE`, or `UNSUPPORTED` (its hook says
+        its calls cannot stop early; the flag is left unset)."""
+        tenant = _HERE.get(name)
+        if tenant is None or not tenant.preempt():
+            return UNSUPPORTED
+        return HONOURED if tenant.preemption.wait_idle(timeout_s) else LATE
+
+    @endpoint
+    def end_preempt(self, name: str) -> None:
+        """Clear tenant `name`'s preempt flag: its calls from now on run to their end."""
+        tenant = _HERE.get(name)
+        if tenant is not None:
+            tenant.preemption.clear()
 
 
 class _OwnCalls:

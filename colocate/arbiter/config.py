@@ -34,6 +34,9 @@ class ArbiterConfig:
     # the device's own
     slot_capacity_bytes: int | None = None
     headroom_bytes: int = 0  # budget policy: kept free beyond what a wake needs
+    # a switch with preemption: how long a tenant's running preemptible calls may take to
+    # return what they have before the switch fails, naming it
+    preempt_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         policy = None if isinstance(self.policy, Policy) \
@@ -43,7 +46,8 @@ class ArbiterConfig:
                 "colocate.arbiter.policy.Policy asks",
                 check_number("release_fraction", self.release_fraction, above=0, at_most=1),
                 *(check_number(name, getattr(self, name), above=0) for name in (
-                    "release_timeout_s", "request_timeout_s", "call_timeout_s")),
+                    "release_timeout_s", "request_timeout_s", "call_timeout_s",
+                    "preempt_timeout_s")),
                 check_int("min_verified_bytes", self.min_verified_bytes, 0),
                 check_int("slot_capacity_bytes", self.slot_capacity_bytes, 1, optional=True),
                 check_int("headroom_bytes", self.headroom_bytes, 0)):

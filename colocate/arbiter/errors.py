@@ -31,6 +31,19 @@ class SwitchAbortedError(ArbiterError):
     """The runtime shut down while a switch was under way (or before it began)."""
 
 
+class PreemptTimeoutError(SwitchError):
+    """A switch asked with preemption found a tenant's preemptible call still running when
+    `ArbiterConfig.preempt_timeout_s` ran out; the switch did not happen (nothing moved, the
+    call runs on). `tenant` names it."""
+
+    def __init__(self, message: str, tenant: str = "") -> None:
+        super().__init__(message)
+        self.tenant = tenant
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.tenant)
+
+
 class ArbiterTimeoutError(ArbiterError):
     """A request waited longer than its timeout for a slot, or a tenant call did not answer."""
 

@@ -23,7 +23,7 @@ from typing import Any
 from monarch.actor import endpoint
 
 from colocate.arbiter.actor import TenantActor
-from colocate.calls import needs
+from colocate.calls import needs, preemptible
 from colocate.engines import generator, trainer
 from colocate.engines.compute_thread import ComputeThread
 from colocate.engines.export import write_hf_model
@@ -168,10 +168,29 @@ class GeneratorActor(TenantActor):
 
     @endpoint
     @needs("weights", "kv_cache")
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    @preemptible
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 partial: list[Completion | None] | None = None) -> list[Completion]:
+        """One completion per prompt. A switch with preemption (`phase(trainer,
+        preempt=True)`) makes the torch engine return at its next decoding step, with
+        each completion not ended by then `finished=False`; pass those back as `partial`
+        (one per prompt, None for none) to continue them on the weights loaded since (see
+        `TorchGenerator.generate`). The vLLM engine does the same (a one-rank engine: it
+        aborts its requests and returns their outputs so far; a replica of several ranks
+        drains)."""
         if self.compute is None:
-            return self.engine.generate(prompts, params)
-        return self.compute.run(self.engine.generate, prompts, params)
+            return self.engine.generate(prompts, params, partial, self.preemption.asked)
+        return self.compute.run(self.engine.generate, prompts, params, partial,
+                                self.preemption.asked)
+
+    def preempt(self) -> bool:
+        """The preempt hook (see `TenantActor.preempt`): the torch engine polls the flag
+        before each decoding step, vLLM's after each engine step (then aborts its
+        requests); a vLLM replica of several ranks cannot stop early (its calls drain)."""
+        if self.compute is None and not self.engine.preemptible:
+            return False
+        self.preemption.request()
+        return True
 
     @endpoint
     @needs("weights")

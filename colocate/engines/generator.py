@@ -10,16 +10,21 @@ what the allocator keeps of it goes back at the next sleep (`memory.release_cach
 Prompts are token ids, left-padded into batches of up to `max_batch` rows; every row
 samples with temperature and top-p until a stop token or `max_new_tokens`, and gets each
 token's log-probability under the distribution it was drawn from.
+
+A call can be preempted (`stop`, polled before each decoding step): it returns what each
+row has so far, typed as unfinished (`Completion.finished`), and a later call continues
+those (`partial`), prefilling prompt and prefix on the weights of then, as vLLM's
+recompute preemption does; each token records the weights `version` that sampled it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from colocate.arbiter.tenant import TaggedTenant
-from colocate.engines.sampling import Completion, SamplingParams
+from colocate.engines.sampling import Completion, SamplingParams, continued, partial_list
 from colocate.engines.weight_copy import copy_weights
 from colocate.engines.weights import WeightStream, published
 
@@ -61,6 +66,7 @@ class TorchGenerator:
         element = next(self.model.parameters()).element_size()
         self.tenancy.working_bytes = working_bytes(self.model.config.to_dict(), max_batch,
                                                    self.max_len, element)
+        self.version = 0  # of the weights: + 1 at each load (Completion.versions)
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -71,6 +77,7 @@ class TorchGenerator:
         self.tenancy.ensure_stage("weights")
         copied = copy_weights(self.model, weights)  # all of them, or nothing
         self.tenancy.refilled("weights")
+        self.version += 1
         return copied
 
     def receive(self, source: str) -> int:
@@ -98,9 +105,22 @@ class TorchGenerator:
     # -- generation --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> list[Completion]:
-        """One completion per prompt (token ids), in order."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 partial: Sequence[Completion | None] | None = None,
+                 stop: Callable[[], bool] | None = None) -> list[Completion]:
+        """One completion per prompt (token ids), in order.
+
+        `stop` is polled before each decoding step (and each batch): once it answers True
+        the call returns what it has, each completion not ended by then with
+        `finished=False` and its tokens and log-probabilities so far (a preempted call;
+        none is lost, and with the same seed they are a prefix of what the whole call would
+        have sampled).
+
+        `partial[i]`, when given, is what an earlier call returned for prompt i: an
+        unfinished one is continued (the prompt and its tokens so far prefilled on the
+        weights loaded now, sampling on for the tokens `max_new_tokens` leaves), keeping
+        its earlier tokens, log-probabilities and versions; a finished one comes back as
+        it is."""
         self.tenancy.ensure_awake()
         self._ensure_weights()
         limit = self.max_len
@@ -109,21 +129,33 @@ class TorchGenerator:
             raise ValueError(f"prompts {too_long or 'with no tokens'} do not fit: each needs "
                              f"1 <= prompt + max_new_tokens ({params.max_new_tokens}) <= "
                              f"max_position_embeddings ({limit})")
+        before = partial_list(partial, len(prompts), params)
         rng = torch.Generator(device=self.device)
         rng.manual_seed(params.seed if params.seed is not None else torch.seed())
-        out: list[Completion] = []
-        for i in range(0, len(prompts), self.max_batch):
-            out.extend(self._batch(prompts[i:i + self.max_batch], params, rng))
-        return out
+        todo = [i for i, done in enumerate(before) if done is None or not done.finished]
+        out: list[Completion | None] = list(before)
+        for i in range(0, len(todo), self.max_batch):
+            rows = todo[i:i + self.max_batch]
+            prefixes = [before[r].tokens if before[r] else [] for r in rows]  # type: ignore[union-attr]
+            new = self._batch([list(prompts[r]) + p for r, p in zip(rows, prefixes, strict=True)],
+                              [params.max_new_tokens - len(p) for p in prefixes], params, rng,
+                              stop)
+            for row, completion in zip(rows, new, strict=True):
+                out[row] = continued(before[row], completion, self.version)
+        return out  # type: ignore[return-value]
 
-    def _batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-               rng: torch.Generator) -> list[Completion]:
+    def _batch(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int],
+               params: SamplingParams, rng: torch.Generator,
+               stop: Callable[[], bool] | None) -> list[Completion]:
+        """A completion of each prompt, of at most its budget's tokens (`versions` left
+        empty), unfinished where `stop` said so first."""
         from transformers import DynamicCache
 
-        b, width = len(prompts), max(len(p) for p in prompts)
+        if stop is not None and stop():
+            return [Completion([], finished=False) for _ in prompts]
+        b, width, steps = len(prompts), max(len(p) for p in prompts), max(budgets)
         tokens = torch.zeros(b, width, dtype=torch.long, device=self.device)
-        mask = torch.zeros(b, width + params.max_new_tokens, dtype=torch.long,
-                           device=self.device)
+        mask = torch.zeros(b, width + steps, dtype=torch.long, device=self.device)
         for row, prompt in enumerate(prompts):  # left padding
             tokens[row, width - len(prompt):] = torch.tensor(prompt, device=self.device)
             mask[row, width - len(prompt):width] = 1
@@ -132,19 +164,25 @@ class TorchGenerator:
         logits = self._logits(tokens, mask[:, :width], positions, cache)
         position = positions[:, -1:]
         stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
+        budget = torch.tensor(budgets, dtype=torch.long, device=self.device)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         sampled, logprobs = [], []
-        for step in range(params.max_new_tokens):
+        preempted = False
+        for step in range(steps):
             token, logprob = _sample(logits, params, rng)
             sampled.append(token)
             logprobs.append(logprob)
-            done |= torch.isin(token, stops)
-            if done.all() or step == params.max_new_tokens - 1:
+            done |= torch.isin(token, stops) | (budget <= step + 1)
+            if done.all() or step == steps - 1:
+                break
+            if stop is not None and stop():
+                preempted = True
                 break
             mask[:, width + step] = 1
             position = position + 1
             logits = self._logits(token[:, None], mask[:, :width + step + 1], position, cache)
-        return _completions(torch.stack(sampled, 1), torch.stack(logprobs, 1), params)
+        return _completions(torch.stack(sampled, 1), torch.stack(logprobs, 1), budgets,
+                            params, preempted)
 
     def _logits(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                 cache) -> torch.Tensor:
@@ -172,12 +210,18 @@ def _sample(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator
     return token, logprobs.gather(-1, token[:, None])[:, 0]
 
 
-def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, params: SamplingParams
-                 ) -> list[Completion]:
+def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, budgets: Sequence[int],
+                 params: SamplingParams, preempted: bool) -> list[Completion]:
+    """Each row cut after its first stop token or at its budget; after a preemption, a row
+    that reached neither is unfinished."""
     out = []
     stops = set(params.stop_token_ids)
-    for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist(), strict=True):
+    for row_tokens, row_logprobs, budget in zip(tokens.tolist(), logprobs.tolist(), budgets,
+                                                strict=True):
+        row_tokens, row_logprobs = row_tokens[:budget], row_logprobs[:budget]
         end = next((i + 1 for i, t in enumerate(row_tokens) if t in stops), None)
         cut = end or len(row_tokens)
-        out.append(Completion(row_tokens[:cut], row_logprobs[:cut], stopped=end is not None))
+        finished = end is not None or cut == budget or not preempted
+        out.append(Completion(row_tokens[:cut], row_logprobs[:cut], stopped=end is not None,
+                              finished=finished))
     return out

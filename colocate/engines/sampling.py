@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,54 @@ class SamplingParams:
 @dataclass
 class Completion:
     """One sampled continuation: its tokens (a stop token included, when one ended it) and
-    each token's log-probability under the sampling policy (temperature applied)."""
+    each token's log-probability under the sampling policy (temperature applied).
+
+    `finished` is False for a partial one: its call was preempted (a switch needed the
+    slot) before a stop token or `max_new_tokens` ended it. Pass it back to `generate`
+    (`partial=`) to continue it on the weights loaded then. `versions` says, token by
+    token, which weights sampled it: the generator's weights version (0 as loaded, + 1 at
+    each weight load), so a continued completion tells its old tokens from its new ones
+    (empty when the engine does not say)."""
 
     tokens: list[int]
     logprobs: list[float] = field(default_factory=list)
     stopped: bool = False  # ended by a stop token, not by max_new_tokens
+    finished: bool = True  # False: preempted part way, to be continued
+    # per token: the weights version; provenance, not content: two completions of equal
+    # tokens, log-probabilities and ends are equal whatever loads came between
+    versions: list[int] = field(default_factory=list, compare=False)
+
+
+def partial_list(partial: Sequence[Completion | None] | None, count: int,
+                   params: SamplingParams) -> list[Completion | None]:
+    """A `generate` call's `partial` as a list of `count` (None: nothing before), each
+    checked: one per prompt, as a generator returned it, with tokens left to sample."""
+    if partial is None:
+        return [None] * count
+    partial = list(partial)
+    if len(partial) != count:
+        raise ValueError(f"partial has {len(partial)} completions for {count} prompts: give "
+                         "one per prompt (None where there is nothing to continue)")
+    for i, done in enumerate(partial):
+        if done is None:
+            continue
+        if len(done.logprobs) != len(done.tokens) or done.versions and \
+                len(done.versions) != len(done.tokens):
+            raise ValueError(f"partial[{i}]: {len(done.tokens)} tokens but "
+                             f"{len(done.logprobs)} log-probabilities and {len(done.versions)} "
+                             "versions: pass back a completion as generate returned it")
+        if not done.finished and len(done.tokens) >= params.max_new_tokens:
+            raise ValueError(f"partial[{i}] has {len(done.tokens)} tokens already, "
+                             f"max_new_tokens={params.max_new_tokens}: nothing is left to "
+                             "continue (use the max_new_tokens of the call it came from)")
+    return partial
+
+
+def continued(before: Completion | None, new: Completion, version: int) -> Completion:
+    """`new` (sampled now, on weights `version`) after what `before` had."""
+    if before is None:
+        return replace(new, versions=[version] * len(new.tokens))
+    old_versions = before.versions or [-1] * len(before.tokens)  # -1: not known
+    return Completion(before.tokens + new.tokens, before.logprobs + new.logprobs,
+                      stopped=new.stopped, finished=new.finished,
+                      versions=old_versions + [version] * len(new.tokens))

@@ -36,12 +36,13 @@ from (temperature and top-p applied; raw logits when greedy), as the torch gener
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ import vllm
 
 from colocate import memory, telemetry
 from colocate.arbiter.tenant import TenantInfo
-from colocate.engines.sampling import Completion, SamplingParams
+from colocate.engines.sampling import Completion, SamplingParams, continued, partial_list
 from colocate.engines.weights import WeightStream, as_stream
 
 STAGES = ("weights", "kv_cache")  # wake order
@@ -71,7 +72,9 @@ class VLLMGenerator:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
         config = json.loads((Path(model_dir) / "config.json").read_text())
         ranks = _engine_ranks(llm_kwargs, config)
+        self.ranks = ranks  # tensor x data parallel
         self.max_model_len = llm_kwargs.pop("max_model_len", config["max_position_embeddings"])
+        self.version = 0  # of the weights: + 1 at each load (Completion.versions)
         native = torch.cuda.is_available()
         settings = dict(
             model=str(model_dir), worker_extension_cls=WORKER, dtype="float32",
@@ -131,6 +134,7 @@ class VLLMGenerator:
             written += self._rpc("colocate_load_weights", bucket)
             del bucket  # gone before the next bucket is made (gathered)
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        self.version += 1
         return written
 
     def weights(self) -> WeightStream:
@@ -141,9 +145,17 @@ class VLLMGenerator:
 
     # -- generation ------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> list[Completion]:
-        """One completion per prompt (token ids), in order."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 partial: Sequence[Completion | None] | None = None,
+                 stop: Callable[[], bool] | None = None) -> list[Completion]:
+        """One completion per prompt (token ids), in order. `partial[i]`, when given, is
+        what an earlier call returned for prompt i: an unfinished one is continued (prompt
+        and prefix prefilled on the weights loaded now, as the torch generator does), a
+        finished one comes back as it is.
+
+        `stop` is polled after each engine step; once it answers True the requests still
+        running are aborted and their outputs so far returned, `finished=False` (a
+        preempted call; only a one-rank engine is preempted: `preemptible`)."""
         self._ensure_awake(STAGES, "generate")
         limit = self.max_model_len
         too_long = [i for i, p in enumerate(prompts) if len(p) + params.max_new_tokens > limit]
@@ -151,32 +163,63 @@ class VLLMGenerator:
             raise ValueError(f"prompts {too_long or 'with no tokens'} do not fit: each needs "
                              f"1 <= prompt + max_new_tokens ({params.max_new_tokens}) <= "
                              f"max_model_len ({limit})")
-        if not prompts:
-            return []
+        before = partial_list(partial, len(prompts), params)
+        todo = [i for i, done in enumerate(before) if done is None or not done.finished]
+        if not todo:
+            return list(before)  # type: ignore[arg-type]
+        prefixes = [done.tokens if done else [] for done in before]
+        requests = [list(p) + prefix for p, prefix in zip(prompts, prefixes, strict=True)]
+        budgets = [params.max_new_tokens - len(prefix) for prefix in prefixes]
         if self.data_parallel == 1:
-            return self._generate(prompts, range(len(prompts)), params)
-        # SPMD: every rank got every prompt; each data-parallel rank generates its share
-        # (one in data_parallel, by index) and all ranks gather the whole list, in order.
-        # A rank with no prompt of its own still steps with the others, on a throwaway
-        # copy of prompt 0 (vLLM's data-parallel ranks agree each step on who has work).
-        mine = list(range(self.data_parallel_rank, len(prompts), self.data_parallel))
-        done = self._generate(prompts, mine or [0], params)[:len(mine)]
-        shares: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(shares, (mine, done))
-        ordered: list[Completion] = [None] * len(prompts)  # type: ignore[list-item]
-        for indices, completions in shares:
-            for index, completion in zip(indices, completions, strict=True):
-                ordered[index] = completion
-        return ordered
+            new = self._generate(requests, todo, params, budgets, stop)
+        else:
+            # SPMD: every rank got every prompt; each data-parallel rank generates its
+            # share (one in data_parallel) and all ranks gather the whole list, in order.
+            # A rank with no prompt of its own still steps with the others, on a throwaway
+            # copy of the first (vLLM's data-parallel ranks agree each step on who has work).
+            mine = todo[self.data_parallel_rank::self.data_parallel]
+            done = self._generate(requests, mine or todo[:1], params, budgets)[:len(mine)]
+            shares: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(shares, (mine, done))
+            by_index = {index: completion for indices, completions in shares
+                        for index, completion in zip(indices, completions, strict=True)}
+            new = [by_index[i] for i in todo]
+        out: list[Completion] = list(before)  # type: ignore[arg-type]
+        for index, completion in zip(todo, new, strict=True):
+            out[index] = continued(before[index], completion, self.version)
+        return out
+
+    @property
+    def preemptible(self) -> bool:
+        """Whether a call can be stopped early: a one-rank engine only (ranks of one
+        replica step together, and would part ways at a preempt)."""
+        return self.ranks == 1
 
     def _generate(self, prompts: Sequence[Sequence[int]], indices: Iterable[int],
-                  params: SamplingParams) -> list[Completion]:
-        """Completions of `prompts[i]` for i in `indices`; request i seeded with seed + i."""
-        indices = list(indices)
-        requests = [vllm.TokensPrompt(prompt_token_ids=list(prompts[i])) for i in indices]
-        outputs = self.llm.generate(requests, [_vllm_params(params, i) for i in indices],
-                                    use_tqdm=False)
-        return [_completion(out.outputs[0]) for out in outputs]
+                  params: SamplingParams, budgets: Sequence[int],
+                  stop: Callable[[], bool] | None = None) -> list[Completion]:
+        """Completions of `prompts[i]` for i in `indices`, of at most `budgets[i]` tokens;
+        request i seeded with seed + i. The engine is stepped here (what `LLM.generate`
+        does), so that `stop` can end it between steps: the requests still running are
+        aborted and their (cumulative) outputs so far kept."""
+        engine = self.llm.llm_engine
+        ids = [f"colocate-{next(_REQUESTS)}" for _ in indices]
+        for rid, i in zip(ids, indices, strict=True):
+            engine.add_request(rid, vllm.TokensPrompt(prompt_token_ids=list(prompts[i])),
+                               _vllm_params(params, i, budgets[i]))
+        last: dict[str, Any] = {}
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    last[out.request_id] = out
+                if stop is not None and engine.has_unfinished_requests() and stop():
+                    break
+        finally:
+            running = [rid for rid in ids if rid not in last or not last[rid].finished]
+            if running:
+                engine.abort_request(running)
+        return [_completion(last[rid].outputs[0], last[rid].finished) if rid in last
+                else Completion([], finished=False) for rid in ids]
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -344,18 +387,21 @@ def _kv_cache_bytes(config: dict, max_batch: int, max_len: int) -> int:
     return blocks * KV_BLOCK_TOKENS * per_token
 
 
-def _vllm_params(params: SamplingParams, index: int) -> vllm.SamplingParams:
+def _vllm_params(params: SamplingParams, index: int, budget: int) -> vllm.SamplingParams:
     return vllm.SamplingParams(
-        max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+        max_tokens=budget, temperature=params.temperature, top_p=params.top_p,
         stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0,
         seed=None if params.seed is None else params.seed + index, detokenize=False,
     )
 
 
-def _completion(out: Any) -> Completion:
+def _completion(out: Any, finished: bool = True) -> Completion:
     tokens = list(out.token_ids)
     logprobs = [entry[token].logprob for token, entry in zip(tokens, out.logprobs, strict=True)]
-    return Completion(tokens, logprobs, stopped=out.finish_reason == "stop")
+    return Completion(tokens, logprobs, stopped=out.finish_reason == "stop", finished=finished)
+
+
+_REQUESTS = itertools.count()  # request ids, unique in the process
 
 
 @contextmanager

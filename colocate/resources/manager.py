@@ -29,11 +29,12 @@ from typing import Any
 import monarch.actor
 from monarch.actor import Actor
 
-from colocate.arbiter.actor import HostStatus, TenantActor
+from colocate.arbiter.actor import HostStatus, Preempter, TenantActor
 from colocate.arbiter.config import ArbiterConfig, SlotTraffic
 from colocate.arbiter.tenant import TenantInfo
+from colocate.calls import call_spec
 from colocate.checks import check_int
-from colocate.monarch_compat import mesh_name
+from colocate.monarch_compat import endpoint_names, mesh_name
 from colocate.resources.faults import Faults
 from colocate.resources.gpus import gpus_per_host as detect_gpus
 from colocate.resources.groups import Allocation, Group, Groups
@@ -165,6 +166,7 @@ class ResourceManager:
             self._give_back(allocation)
             raise
         actors = allocation.procs.spawn(name, actor_class, *args, **kwargs)
+        preempters = None
         try:
             tenant = issubclass(actor_class, TenantActor)
             if tenant:  # it checks its own start, time-shared or not
@@ -175,9 +177,13 @@ class ResourceManager:
                                                       strict=True)))
             self._watch_procs()
             if tenant and allocation.timeshared:
-                await self.switchboard.register(name, actors, allocation)
+                if _preemptible(actor_class):  # see colocate.arbiter.preempt
+                    preempters = allocation.procs.spawn(f"{name}_preempt", Preempter)
+                await self.switchboard.register(name, actors, allocation, preempters)
                 self._tenant_actors[name] = (actors, allocation.procs_per_host)
         except BaseException:
+            if preempters is not None:
+                await self._stop_actors(f"{name}_preempt", preempters, 5.0)
             await self._undo_spawn(name, actors, allocation)
             raise
         return actors
@@ -198,12 +204,15 @@ class ResourceManager:
         """Stop spawned actors (unless they died, or `stop` is False: their procs are about
         to be stopped) and forget them; their procs stay. A stop that does not end within
         `grace_s` (its proc died unseen) is left behind."""
+        preempters = self.switchboard.preempters.get(name)
         await self.switchboard.unregister(name)
         self._tenant_actors.pop(name, None)
         failed = self.faults.has_failed(name)
         self.faults.forget(name)
         self._watch_procs()
         if stop and not failed:
+            if preempters is not None:
+                await self._stop_actors(f"{name}_preempt", preempters, grace_s)
             await self._stop_actors(name, actors, grace_s)
 
     def _watch_procs(self) -> None:
@@ -234,27 +243,35 @@ class ResourceManager:
 
     # -- switches ----------------------------------------------------------------------
 
-    async def wake(self, name: str, stages: list[str] | None = None) -> None:
+    async def wake(self, name: str, stages: list[str] | None = None,
+                   preempt: bool = False) -> None:
         """Make `name` awake on all its slots, with `stages` (default: all); its hosts
         switch in parallel.
 
         Every switch goes through this manager, which keeps the arbiters' view after it: a
         tenant with those stages awake since then, alive, with no switch in flight that may
         put them to sleep (and, under a policy that measures, the last one woken on its
-        slots), is left as it is without a call."""
+        slots), is left as it is without a call.
+
+        With `preempt`, the `@preemptible` calls running in the tenants this wake may put
+        to sleep are asked to return what they have (a partial result, typed as such by
+        the endpoint) instead of being waited for; other calls drain as ever. A tenant that
+        does not honour it within `ArbiterConfig.preempt_timeout_s` fails the wake
+        (`PreemptTimeoutError`, naming it) before anything moved."""
         if self.switchboard.is_tenant(name) and self.faults.alive(name) \
                 and self.switchboard.awake_now(name, stages) and self.switchboard.holds(name):
             return
-        await self.switchboard.wake(name, stages)
+        await self.switchboard.wake(name, stages, preempt)
 
-    async def wake_for(self, name: str, stages: Sequence[str] | None) -> None:
+    async def wake_for(self, name: str, stages: Sequence[str] | None,
+                       preempt: bool = False) -> None:
         """Wake what a call that needs `stages` (None: every stage) needs of `name`: those
         of its own stages (see `routable`); nothing when it has none of them."""
         if stages is not None and self.switchboard.is_tenant(name):
             stages = self.switchboard.needed(name, stages)
             if not stages:
                 return
-        await self.wake(name, None if stages is None else list(stages))
+        await self.wake(name, None if stages is None else list(stages), preempt)
 
     async def make_room(self, name: str, asked_bytes: int) -> None:
         """After a call of `name` ran out of memory asking `asked_bytes`, make that room
@@ -353,6 +370,11 @@ class ResourceManager:
         if _current is self:
             _current = None
         await asyncio.to_thread(self.job.stop, grace_s)
+
+
+def _preemptible(actor_class: type) -> bool:
+    """Whether any endpoint of `actor_class` is declared `@preemptible`."""
+    return any(call_spec(actor_class, e).preemptible for e in endpoint_names(actor_class))
 
 
 _current: ResourceManager | None = None

@@ -11,11 +11,16 @@ of its stages (or a handoff to it) may put its others to sleep: such a switch ma
 tenant itself switching too. Watchers hear of each change of the view. Tenants an
 arbiter finds lost (their proc died) are reported to `on_lost` at once, from a switch's
 error or from the liveness checks made while a drain waits.
+
+A switch made with `preempt=True` first asks the `@preemptible` calls running in the
+tenants it may put to sleep to return what they have (`colocate.arbiter.preempt`), through
+the `Preempter` spawned beside each such tenant, then drains as ever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
@@ -23,12 +28,20 @@ from typing import Any
 from colocate.abortable import Abortable
 from colocate.arbiter.actor import Arbiter, HostStatus, remote_errors
 from colocate.arbiter.config import ArbiterConfig, SlotTraffic
-from colocate.arbiter.errors import ArbiterError, SwitchAbortedError, TenantLostError
+from colocate.arbiter.errors import (
+    ArbiterError,
+    PreemptTimeoutError,
+    SwitchAbortedError,
+    TenantLostError,
+)
+from colocate.arbiter.preempt import LATE, UNSUPPORTED
 from colocate.resources.groups import Allocation
 from colocate.resources.procs import SlotProcs, bootstrap_command, rank_of, select, stop_procs
 from colocate.resources.watcher import Watcher
 
 DRAIN_LIVENESS_S = 0.25  # while a drain waits: how often the drained tenants' procs are checked
+PREEMPT_MESSAGE_S = 10.0  # beyond the preempt bound: how long its message may take
+logger = logging.getLogger(__name__)
 
 
 class Switchboard:
@@ -49,6 +62,9 @@ class Switchboard:
         self.measures = config.make_policy().measures
         self.host_status: dict[int, HostStatus] = {}  # the arbiters' answers, last view
         self.watchers: list[Watcher] = []  # drain and changed
+        # name -> the `Preempter` actors on its procs (tenants with @preemptible endpoints)
+        self.preempters: dict[str, Any] = {}
+        self._said_unpreemptible: set[str] = set()  # logged once each
         self._switching: Counter[str] = Counter()
         self._under_way = Abortable()  # the switches: a shutdown ends them
         self._procs: SlotProcs | None = None
@@ -82,9 +98,13 @@ class Switchboard:
 
     # -- tenants ---------------------------------------------------------------------
 
-    async def register(self, name: str, actors: Any, allocation: Allocation) -> None:
-        """Register a started tenant with the arbiters of its slots (on all or on none)."""
+    async def register(self, name: str, actors: Any, allocation: Allocation,
+                       preempters: Any = None) -> None:
+        """Register a started tenant with the arbiters of its slots (on all or on none);
+        `preempters`: the `Preempter`s on its procs, when it has preemptible endpoints."""
         self.tenants[name] = list(allocation.slots)
+        if preempters is not None:
+            self.preempters[name] = preempters
         per_host = allocation.procs_per_host
         try:
             async with remote_errors():
@@ -114,7 +134,8 @@ class Switchboard:
 
     def forget(self, name: str) -> None:
         """Forget a tenant here only (its arbiters no longer know it, or its slots are gone)."""
-        for table in (self.tenants, self.stages, self.working, self.pids, self.awake):
+        for table in (self.tenants, self.stages, self.working, self.pids, self.awake,
+                      self.preempters):
             table.pop(name, None)
         self.holders = {slot: n for slot, n in self.holders.items() if n != name}
 
@@ -143,16 +164,18 @@ class Switchboard:
 
     # -- switches --------------------------------------------------------------------
 
-    async def wake(self, name: str, stages: list[str] | None = None) -> None:
+    async def wake(self, name: str, stages: list[str] | None = None,
+                   preempt: bool = False) -> None:
         """Make `name` awake on all its slots; its hosts switch in parallel. (The caller
-        skips a tenant that is `awake_now`.)"""
+        skips a tenant that is `awake_now`.) With `preempt`, the neighbours' running
+        preemptible calls are asked to return what they have instead of being waited for."""
         by_host = self._by_host(name)
         touched = self._neighbours(name)
         if self.measures and stages is not None and not set(self.stages[name]) <= set(stages):
             touched.add(name)  # its stages not asked may sleep to make room
         await self._holding(name, self._switch(touched, lambda: {
             h: self.arbiter(h).wake.call_one(name, slots, stages)
-            for h, slots in by_host.items()}))
+            for h, slots in by_host.items()}, preempt))
 
     async def make_room(self, name: str, asked_bytes: int) -> None:
         """A call of `name` asked `asked_bytes` more than its slots had free: its arbiters
@@ -224,24 +247,36 @@ class Switchboard:
                 if other != name and mine.intersection(slots)}
 
     async def _switch(self, touched: set[str],
-                      calls: Callable[[], dict[int, Awaitable[HostStatus]]]) -> None:
+                      calls: Callable[[], dict[int, Awaitable[HostStatus]]],
+                      preempt: bool = False) -> None:
         """Make arbiter calls (host -> call) that may put `touched` to sleep: first mark
         them switching and let the watchers drain their in-flight requests; after, update
         the view from the hosts' answers (from every host's status, when a call failed and
         left its host's state unknown).
 
         `calls` makes the calls only when invoked: a Monarch call is sent when it is made,
-        not when it is awaited, so making them before the drain would race it."""
+        not when it is awaited, so making them before the drain would race it.
+
+        With `preempt`, `touched`'s running preemptible calls are first asked to return
+        what they have (`_preempt`), and their flags cleared once drained."""
         self._switching.update(touched)
         try:
-            await self._under_way.run(self._drain_then_call(touched, calls))
+            await self._under_way.run(self._drain_then_call(touched, calls, preempt))
         finally:
             self._switching.subtract(touched)
             self._changed()
 
     async def _drain_then_call(self, touched: set[str],
-                               calls: Callable[[], dict[int, Awaitable[HostStatus]]]) -> None:
-        await self._drain(touched)
+                               calls: Callable[[], dict[int, Awaitable[HostStatus]]],
+                               preempt: bool = False) -> None:
+        asked = sorted(name for name in touched if name in self.preempters) if preempt else []
+        try:
+            if asked:
+                await self._preempt(asked)
+            await self._drain(touched)
+        finally:
+            if asked:
+                await self._end_preempt(asked)
         pending = calls()
         try:
             async with remote_errors():
@@ -254,6 +289,45 @@ class Switchboard:
             raise
         self.host_status.update(zip(pending, answers, strict=True))
         self._update_awake()
+
+    async def _preempt(self, names: list[str]) -> None:
+        """Ask each of `names` (tenants with preemptible endpoints) to have its running
+        preemptible calls return what they have, and wait until they did. A tenant whose
+        hook cannot stop its calls is said once in the log (its calls drain as any); one
+        whose calls still run after `preempt_timeout_s` fails the switch, naming it."""
+        bound = self.config.preempt_timeout_s
+
+        async def ask(name: str) -> set[str]:
+            try:
+                answers = await asyncio.wait_for(
+                    self.preempters[name].preempt.call(name, bound), bound + PREEMPT_MESSAGE_S)
+            except TimeoutError:
+                return {LATE}
+            except Exception:  # its procs died: the drain finds them lost
+                return set()
+            return {answer for _, answer in answers.items()}
+
+        found = dict(zip(names, await asyncio.gather(*(ask(n) for n in names)), strict=True))
+        for name, answers in found.items():
+            if UNSUPPORTED in answers and name not in self._said_unpreemptible:
+                self._said_unpreemptible.add(name)
+                logger.warning("tenant %r was asked to preempt its calls but cannot stop them "
+                               "early; they are drained (waited for) instead", name)
+        late = [name for name, answers in found.items() if LATE in answers]
+        if late:
+            raise PreemptTimeoutError(
+                f"tenant {late[0]!r} did not honour a preempt within {bound} s "
+                f"(ArbiterConfig.preempt_timeout_s): its preemptible call still runs; the "
+                f"switch did not happen, nothing moved, and its call goes on. "
+                f"Awake now: {', '.join(self.awake_tenants()) or 'nothing'}"
+                + (f" (also late: {', '.join(late[1:])})" if late[1:] else ""), late[0])
+
+    async def _end_preempt(self, names: list[str]) -> None:
+        """Clear the preempt flags of `names`: their calls from now on run to their end (a
+        tenant whose procs died is skipped)."""
+        await asyncio.gather(*(asyncio.wait_for(self.preempters[n].end_preempt.call(n),
+                                                PREEMPT_MESSAGE_S)
+                               for n in names if n in self.preempters), return_exceptions=True)
 
     async def _drain(self, touched: set[str]) -> None:
         """Let the watchers drain `touched`. A call in flight in a proc that died would hold

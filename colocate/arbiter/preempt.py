@@ -1,0 +1,81 @@
+"""Preemption: how a switch asks a tenant's running calls to return what they have.
+
+A tenant's endpoints run one at a time, each holding the tenant's busy lock, on its
+actor's own thread (`colocate.arbiter.actor`). A `preempt` endpoint of the tenant itself
+would therefore wait behind the very call it should stop. The signal goes around both:
+
+- each tenant actor has a `Preemption` (a flag and a count of its running preemptible
+  calls, an object of its process); its preemptible calls poll `asked()` (the torch
+  generator before each decoding step) and return early once it is set;
+- a small `Preempter` actor (`colocate.arbiter.actor`), spawned beside every tenant that
+  declares a `@preemptible` endpoint, on the same procs. Actors on one proc share the
+  process and its module globals, and each runs its sync endpoints on a thread of its
+  own, so the preempter reaches the tenant (through the process's table of tenants) and
+  calls its `preempt` hook, a plain method, while the tenant's call is still running.
+
+The switchboard asks for it when a switch is made with `preempt=True` (`phase(trainer,
+preempt=True)`): before draining a neighbour's calls it has the preempter set the flag and
+wait, up to `ArbiterConfig.preempt_timeout_s`, for the running preemptible calls to
+return; then it drains as ever (they are back already) and clears the flag before the
+arbiters switch. A tenant whose hook says it cannot stop early drains as usual; one whose
+calls outlive the bound fails the switch (`PreemptTimeoutError`) before anything moved.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+HONOURED = "honoured"  # the running preemptible calls returned (or none ran)
+UNSUPPORTED = "unsupported"  # the tenant's hook cannot stop its calls: they drain
+LATE = "late"  # a preemptible call still ran when the bound ran out
+
+
+class Preemption:
+    """A tenant's preempt flag and its running preemptible calls, shared by the threads of
+    its process (the tenant's, its compute thread's, its preempter's).
+
+    The flag stays set from `request()` until `clear()`: a preemptible call that starts
+    meanwhile (it was already on its way when routing stopped) returns at once."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._asked = False
+        self._running = 0
+
+    def asked(self) -> bool:
+        """Whether a switch asked the running calls to stop (poll it between steps)."""
+        return self._asked
+
+    def request(self) -> None:
+        with self._changed:
+            self._asked = True
+            self._changed.notify_all()
+
+    def clear(self) -> None:
+        with self._changed:
+            self._asked = False
+
+    @property
+    def running(self) -> int:
+        """The preemptible calls running now."""
+        return self._running
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        """Count a preemptible call while it runs."""
+        with self._changed:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._running -= 1
+                self._changed.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no preemptible call runs; False when one still runs after
+        `timeout_s`."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._running == 0, timeout_s)
