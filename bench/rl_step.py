@@ -76,9 +76,9 @@ from tqdm import tqdm  # noqa: E402
 from bench.common import announce, median_s  # noqa: E402
 from colocate import memory, telemetry  # noqa: E402
 from colocate.arbiter import plan  # noqa: E402
-from colocate.resources.manager import init  # noqa: E402
 from colocate.resources.packing import ResourceRequest  # noqa: E402
 from colocate.resources.procs import select  # noqa: E402
+from colocate.resources.start import init  # noqa: E402
 
 MAX_RATIO = 0.65
 MAX_SWITCH_SHARE = 0.10

@@ -23,7 +23,7 @@ from typing import Any
 
 # name -> the module that defines it, imported on first use (Monarch loads with these)
 _EXPORTS = {
-    "init": "colocate.resources.manager",
+    "init": "colocate.resources.start",
     "phase": "colocate.phases",
     "TenantActor": "colocate.arbiter.actor",
     "ResourceRequest": "colocate.resources.packing",

@@ -31,7 +31,8 @@ from monarch.actor import endpoint
 from colocate.arbiter.actor import TenantActor
 from colocate.calls import needs
 from colocate.resources.gpus import gpus_per_host
-from colocate.resources.manager import ResourceManager, init
+from colocate.resources.manager import ResourceManager
+from colocate.resources.start import init
 
 
 @asynccontextmanager

@@ -34,7 +34,6 @@ from hypothesis import strategies as st
 from colocate import phase
 from colocate.arbiter.core import ArbiterConfig, ArbiterConfigError
 from colocate.arbiter.policy import POLICIES
-from colocate.resources.manager import init
 from colocate.resources.packing import (
     Inventory,
     ResourceError,
@@ -42,6 +41,7 @@ from colocate.resources.packing import (
     ResourceValueError,
 )
 from colocate.resources.procs import select
+from colocate.resources.start import init
 from colocate.testing import MemoryTenant
 from services import ServiceConfig, ServiceConfigError, spawn_service
 from services.config import ROUTERS, WHEN_ASLEEP

@@ -12,9 +12,9 @@ import pytest
 from monarch.actor import ActorError
 
 from colocate.arbiter import SwitchError
-from colocate.resources.manager import init
 from colocate.resources.packing import ResourceError, ResourceRequest, ResourceValueError
 from colocate.resources.procs import ProcProbe
+from colocate.resources.start import init
 from colocate.resources.watcher import Watcher
 from colocate.testing import FailingSleepTenant, MemoryTenant, start_runtime
 

@@ -16,8 +16,9 @@ from faulty import FaultyTenant
 
 from colocate import phase
 from colocate.arbiter import ArbiterConfig
-from colocate.resources.manager import ResourceManager, init
+from colocate.resources.manager import ResourceManager
 from colocate.resources.packing import ResourceRequest
+from colocate.resources.start import init
 from colocate.testing import start_runtime
 from services import Service, ServiceConfig, spawn_service
 from services.replica import ReplicaState

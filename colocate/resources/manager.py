@@ -26,24 +26,21 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import monarch.actor
 from monarch.actor import Actor
 
-from colocate.arbiter.actor import HostStatus, Preempter, TenantActor
+from colocate.arbiter.actor import Preempter, TenantActor
 from colocate.arbiter.config import ArbiterConfig, SlotTraffic
+from colocate.arbiter.host import HostStatus
 from colocate.arbiter.tenant import TenantInfo
 from colocate.calls import call_spec
-from colocate.checks import check_int
 from colocate.monarch_compat import endpoint_names, mesh_name
 from colocate.resources.faults import Faults
-from colocate.resources.gpus import gpus_per_host as detect_gpus
 from colocate.resources.groups import Allocation, Group, Groups
-from colocate.resources.hosts import HostJob, start_hosts
+from colocate.resources.hosts import HostJob
 from colocate.resources.packing import (
     Inventory,
     ResourceError,
     ResourceRequest,
-    ResourceValueError,
 )
 from colocate.resources.proc_watch import ProcWatch
 from colocate.resources.procs import rank_of
@@ -204,7 +201,7 @@ class ResourceManager:
         """Stop spawned actors (unless they died, or `stop` is False: their procs are about
         to be stopped) and forget them; their procs stay. A stop that does not end within
         `grace_s` (its proc died unseen) is left behind."""
-        preempters = self.switchboard.preempters.get(name)
+        preempters = self.switchboard.preempters.actors.get(name)
         await self.switchboard.unregister(name)
         self._tenant_actors.pop(name, None)
         failed = self.faults.has_failed(name)
@@ -387,36 +384,7 @@ def current() -> ResourceManager:
     return _current
 
 
-async def init(scheduler: Any = "local", hosts: int = 1, gpus_per_host: int | None = None,
-               arbiter: ArbiterConfig | None = None, **options: Any) -> ResourceManager:
-    """Start the hosts and their arbiters and return the ResourceManager.
-
-    `gpus_per_host` defaults to the GPUs NVML sees; on a machine without GPUs give it to get
-    that many virtual slots (CPU procs).
-    """
-    found = detect_gpus()
-    if gpus_per_host is None:
-        if found == 0:
-            raise ResourceError("no GPU found on this host: pass gpus_per_host=N to run with N "
-                                "virtual GPU slots (CPU procs)")
-        gpus_per_host = found
-    problem = (check_int("gpus_per_host", gpus_per_host, 1)
-               or check_int("hosts", hosts, 1, optional=True))
-    if problem:  # checked before any host starts, so a bad value leaves nothing running
-        raise ResourceValueError(f"init: {problem}")
-    if found and gpus_per_host > found:
-        raise ResourceError(f"gpus_per_host={gpus_per_host}, but this host has {found} GPUs")
-    if arbiter is not None and not isinstance(arbiter, ArbiterConfig):
-        raise TypeError(f"init(arbiter=...) takes an ArbiterConfig, not {arbiter!r}")
-    job = await asyncio.to_thread(start_hosts, scheduler, hosts, **options)
-    try:
-        rm = ResourceManager(job, gpus_per_host, virtual=found == 0,
-                             arbiter_config=arbiter or ArbiterConfig())
-        monarch.actor.unhandled_fault_hook = rm.faults.on_fault
-        await rm.start()
-    except BaseException:
-        job.stop()
-        raise
+def make_current(rm: ResourceManager) -> None:
+    """Make `rm` the runtime `current()` answers (`init` does, once it started)."""
     global _current
     _current = rm
-    return rm

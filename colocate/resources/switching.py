@@ -26,21 +26,20 @@ from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from colocate.abortable import Abortable
-from colocate.arbiter.actor import Arbiter, HostStatus, remote_errors
+from colocate.arbiter.actor import remote_errors
 from colocate.arbiter.config import ArbiterConfig, SlotTraffic
 from colocate.arbiter.errors import (
     ArbiterError,
-    PreemptTimeoutError,
     SwitchAbortedError,
     TenantLostError,
 )
-from colocate.arbiter.preempt import LATE, UNSUPPORTED
+from colocate.arbiter.host import Arbiter, HostStatus
 from colocate.resources.groups import Allocation
+from colocate.resources.preempting import Preempters
 from colocate.resources.procs import SlotProcs, bootstrap_command, rank_of, select, stop_procs
 from colocate.resources.watcher import Watcher
 
 DRAIN_LIVENESS_S = 0.25  # while a drain waits: how often the drained tenants' procs are checked
-PREEMPT_MESSAGE_S = 10.0  # beyond the preempt bound: how long its message may take
 logger = logging.getLogger(__name__)
 
 
@@ -63,8 +62,7 @@ class Switchboard:
         self.host_status: dict[int, HostStatus] = {}  # the arbiters' answers, last view
         self.watchers: list[Watcher] = []  # drain and changed
         # name -> the `Preempter` actors on its procs (tenants with @preemptible endpoints)
-        self.preempters: dict[str, Any] = {}
-        self._said_unpreemptible: set[str] = set()  # logged once each
+        self.preempters = Preempters(config.preempt_timeout_s)
         self._switching: Counter[str] = Counter()
         self._under_way = Abortable()  # the switches: a shutdown ends them
         self._procs: SlotProcs | None = None
@@ -104,7 +102,7 @@ class Switchboard:
         `preempters`: the `Preempter`s on its procs, when it has preemptible endpoints."""
         self.tenants[name] = list(allocation.slots)
         if preempters is not None:
-            self.preempters[name] = preempters
+            self.preempters.actors[name] = preempters
         per_host = allocation.procs_per_host
         try:
             async with remote_errors():
@@ -135,7 +133,7 @@ class Switchboard:
     def forget(self, name: str) -> None:
         """Forget a tenant here only (its arbiters no longer know it, or its slots are gone)."""
         for table in (self.tenants, self.stages, self.working, self.pids, self.awake,
-                      self.preempters):
+                      self.preempters.actors):
             table.pop(name, None)
         self.holders = {slot: n for slot, n in self.holders.items() if n != name}
 
@@ -258,7 +256,7 @@ class Switchboard:
         not when it is awaited, so making them before the drain would race it.
 
         With `preempt`, `touched`'s running preemptible calls are first asked to return
-        what they have (`_preempt`), and their flags cleared once drained."""
+        what they have (`Preempters.ask`), and their flags cleared once drained."""
         self._switching.update(touched)
         try:
             await self._under_way.run(self._drain_then_call(touched, calls, preempt))
@@ -269,14 +267,14 @@ class Switchboard:
     async def _drain_then_call(self, touched: set[str],
                                calls: Callable[[], dict[int, Awaitable[HostStatus]]],
                                preempt: bool = False) -> None:
-        asked = sorted(name for name in touched if name in self.preempters) if preempt else []
+        asked = sorted(n for n in touched if n in self.preempters.actors) if preempt else []
         try:
             if asked:
-                await self._preempt(asked)
+                await self.preempters.ask(asked, self.awake_tenants)
             await self._drain(touched)
         finally:
             if asked:
-                await self._end_preempt(asked)
+                await self.preempters.end(asked)
         pending = calls()
         try:
             async with remote_errors():
@@ -289,45 +287,6 @@ class Switchboard:
             raise
         self.host_status.update(zip(pending, answers, strict=True))
         self._update_awake()
-
-    async def _preempt(self, names: list[str]) -> None:
-        """Ask each of `names` (tenants with preemptible endpoints) to have its running
-        preemptible calls return what they have, and wait until they did. A tenant whose
-        hook cannot stop its calls is said once in the log (its calls drain as any); one
-        whose calls still run after `preempt_timeout_s` fails the switch, naming it."""
-        bound = self.config.preempt_timeout_s
-
-        async def ask(name: str) -> set[str]:
-            try:
-                answers = await asyncio.wait_for(
-                    self.preempters[name].preempt.call(name, bound), bound + PREEMPT_MESSAGE_S)
-            except TimeoutError:
-                return {LATE}
-            except Exception:  # its procs died: the drain finds them lost
-                return set()
-            return {answer for _, answer in answers.items()}
-
-        found = dict(zip(names, await asyncio.gather(*(ask(n) for n in names)), strict=True))
-        for name, answers in found.items():
-            if UNSUPPORTED in answers and name not in self._said_unpreemptible:
-                self._said_unpreemptible.add(name)
-                logger.warning("tenant %r was asked to preempt its calls but cannot stop them "
-                               "early; they are drained (waited for) instead", name)
-        late = [name for name, answers in found.items() if LATE in answers]
-        if late:
-            raise PreemptTimeoutError(
-                f"tenant {late[0]!r} did not honour a preempt within {bound} s "
-                f"(ArbiterConfig.preempt_timeout_s): its preemptible call still runs; the "
-                f"switch did not happen, nothing moved, and its call goes on. "
-                f"Awake now: {', '.join(self.awake_tenants()) or 'nothing'}"
-                + (f" (also late: {', '.join(late[1:])})" if late[1:] else ""), late[0])
-
-    async def _end_preempt(self, names: list[str]) -> None:
-        """Clear the preempt flags of `names`: their calls from now on run to their end (a
-        tenant whose procs died is skipped)."""
-        await asyncio.gather(*(asyncio.wait_for(self.preempters[n].end_preempt.call(n),
-                                                PREEMPT_MESSAGE_S)
-                               for n in names if n in self.preempters), return_exceptions=True)
 
     async def _drain(self, touched: set[str]) -> None:
         """Let the watchers drain `touched`. A call in flight in a proc that died would hold
