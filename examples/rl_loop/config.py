@@ -8,6 +8,7 @@
     data:     DataConfig fields: the user's prompt files instead of the digit task
     reward:   RewardConfig fields: the user's reward functions for them
     grpo:     GRPOConfig fields
+    rollout:  RolloutConfig fields: sync, or partial rollouts with a token budget per step
     run:      RunConfig fields
 
 The YAML file is merged over the defaults, then the command line's `section.field=value`
@@ -34,6 +35,7 @@ from colocate.engines.tiny import ARCHITECTURES
 from colocate.engines.trainer import BUCKET_MB
 from examples.rl_loop.data import DataConfig
 from examples.rl_loop.grpo import GRPOConfig
+from examples.rl_loop.partial import RolloutConfig
 from examples.rl_loop.rewards import RewardConfig
 from examples.rl_loop.task import TaskConfig
 
@@ -148,6 +150,7 @@ class RLConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:

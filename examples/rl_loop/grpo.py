@@ -10,6 +10,7 @@ on padding.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -224,7 +225,9 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str,
 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
               mask: torch.Tensor, cfg: GRPOConfig,
-              ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+              ref_logprobs: torch.Tensor | None = None, *,
+              prox_logprobs: torch.Tensor | None = None, stale: torch.Tensor | None = None,
+              is_cap: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped policy-gradient loss (ratio clipped to [1 - epsilon, 1 + epsilon_high]),
     aggregated by `cfg.loss_type` (the default "dapo": every completion token weighs the
     same), plus beta x the k3 KL to the reference policy, aggregated the same way.
@@ -232,16 +235,38 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     `logprobs` [B, T] carries the gradient; `old_logprobs` [B, T] are the sampling policy's;
     `advantages` [B] are one per sequence. Returns the loss and its statistics: the
     policy-gradient term, the KL (0 without a reference), the fraction of tokens whose ratio
-    was clipped (in all, below and above), and the mean ratio."""
+    was clipped (in all, below and above), and the mean ratio.
+
+    With `prox_logprobs` and `stale` [B, T] (partial rollouts: tokens sampled by an older
+    policy version than the trainer's), the stale tokens take AReaL's decoupled objective,
+    truncated as veRL's TIS: the PPO ratio is taken to the proximal policy (the trainer's
+    weights at the step's start, `prox_logprobs`), clipped as usual, and weighted by the
+    importance ratio proximal / behaviour (`old_logprobs`, the version that sampled the
+    token), truncated at `is_cap` (TIS's C). Token-level, since one sample's tokens come
+    from several versions; decoupled, since a ratio to the behaviour policy of a few
+    versions ago is far from 1 and PPO's clip would take most of those tokens out of the
+    gradient, where the trust region belongs around the current policy; truncated (not
+    clipped both ways, not dropped), to bound the weight's variance and keep every token.
+    Tokens sampled by the current version keep the plain loss: with no stale token it is
+    exactly the sync loop's."""
     if cfg.beta > 0 and ref_logprobs is None:
         raise ValueError(f"beta={cfg.beta} needs ref_logprobs")
     tokens = mask.sum().clamp(min=1.0)
+    weight = None
+    if prox_logprobs is not None and stale is not None:
+        older = (stale > 0) & (mask > 0)
+        prox, behaviour = prox_logprobs.detach(), old_logprobs.detach()
+        weight = torch.where(older, torch.exp((prox - behaviour).clamp(max=math.log(is_cap))),
+                             1.0)
+        old_logprobs = torch.where(older, prox, behaviour)
     ratio = torch.exp(logprobs - old_logprobs.detach())
     adv = advantages.detach().unsqueeze(-1)
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - cfg.epsilon, cfg.clip_high) * adv
-    pg = aggregate(-torch.minimum(unclipped, clipped), mask, cfg.loss_type,
-                   cfg.max_completion_length)
+    surrogate = torch.minimum(unclipped, clipped)
+    if weight is not None:
+        surrogate = surrogate * weight
+    pg = aggregate(-surrogate, mask, cfg.loss_type, cfg.max_completion_length)
     loss = pg
     kl = torch.zeros(())
     if ref_logprobs is not None:
@@ -256,4 +281,9 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
              tokens).item(), "clip_frac_low": (low.sum() / tokens).item(),
              "clip_frac_high": ((was_clipped - low).sum() / tokens).item(),
              "ratio": mean_ratio.item()}
+    if weight is not None:
+        count = older.sum().clamp(min=1)
+        stats["is_weight"] = ((weight * older).sum() / count).item()
+        stats["is_truncated_frac"] = ((weight >= is_cap - 1e-6) & older).sum().item() / \
+            count.item()
     return loss, stats

@@ -35,9 +35,10 @@ from examples.rl_loop.budget import StepTraffic, budget_summary
 from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.data import Row
 from examples.rl_loop.memory import ProcPeaks, devices_of, resident_per_proc
+from examples.rl_loop.partial import Pool, check_room, decode_slots, generate_step
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.recovery import Recovery
-from examples.rl_loop.rollouts import GRPOLoss, ReferenceLogprobs, scored_batch
+from examples.rl_loop.rollouts import ReferenceLogprobs, behind, losses, scored_batch
 from examples.rl_loop.runtime import Runtime, drop, model_dir, switch_ahead
 from examples.rl_loop.saves import Saves
 from examples.rl_loop.sources import check_fits, make_source
@@ -88,6 +89,13 @@ class Loop(Runtime, Saves):
                                        stop_token_ids=(self.tokenizer.eos_token_id,))
         self.greedy = SamplingParams(max_new_tokens=self.source.max_new_tokens, temperature=0,
                                      stop_token_ids=(self.tokenizer.eos_token_id,))
+        self.pool = None  # rollout.mode=partial: the carried samples (`partial.Pool`)
+        if cfg.rollout.partial:
+            longest = (self.source.longest_prompt() if hasattr(self.source, "longest_prompt")
+                       else len(self.encode("0" * cfg.task.max_digits + ">")))
+            check_room(longest, self.source.max_new_tokens, cfg.rollout.max_tokens_per_step,
+                       self.model_dir)
+            self.pool = Pool(cfg.rollout, cfg.grpo.group_size, self.source.max_new_tokens)
 
     def _refused(self, err: Exception) -> None:
         """A run refused at its start (a bad data file, column, reward function...) still
@@ -147,8 +155,18 @@ class Loop(Runtime, Saves):
             prompts = self.source.sample(cfg.grpo.prompts_per_step)
             sampling = dataclasses.replace(self.sampling,
                                            seed=cfg.run.seed * 1_000_003 + index * 10_007)
-            tokens, completions = await self.generate(prompts, sampling,
-                                                      cfg.grpo.group_size)
+            if self.pool is None:
+                tokens, completions = await self.generate(prompts, sampling,
+                                                          cfg.grpo.group_size)
+                lengths = [len(c.tokens) for c in completions]
+                rollout = {"finished_samples": len(completions),
+                           "gen_idle_share": 1 - sum(lengths) / max(1, decode_slots(lengths))}
+            else:  # partial: a token budget, the unfinished samples carried over
+                self.pool.add(prompts, index)
+                groups, rollout = await generate_step(self.pool, self.generate_ids, sampling)
+                prompts = [g.row for g in groups]
+                completions = [s.completion() for g in groups for s in g.samples]
+                tokens = [g.row.tokens for g in groups for _ in g.samples]
         clock.lap("generate")
         # the next tenant's wake needs nothing from the scores: it runs while they are
         # computed, decoding and the batch on a worker thread so that this loop drives it
@@ -158,6 +176,10 @@ class Loop(Runtime, Saves):
         except BaseException:
             drop(ahead)
             raise
+        is_cap = None
+        if self.pool is not None:  # how many versions older than the trainer's each token is
+            batch["behind"] = behind(tokens, completions, self.pool.version, batch["mask"])
+            is_cap = cfg.rollout.is_cap if bool(batch["behind"].any()) else None
         clock.lap("score")
         if self.reference is not None:  # its turn: woken for the reference log-probs
             ahead_s = await ahead  # its error, if it failed, is raised here
@@ -173,18 +195,21 @@ class Loop(Runtime, Saves):
             async with phase(self.trainer):  # no switch unless the reference took its turn
                 clock.lap("switch")
                 await self._readings("train", clock)
-                for _ in range(cfg.grpo.updates_per_batch):
-                    metrics = await self.trainer.train_step.route(GRPOLoss(self.grpo), batch)
+                for loss in losses(self.grpo, cfg.grpo.updates_per_batch, is_cap):
+                    metrics = await self.trainer.train_step.route(loss, batch)
                 clock.lap("train")
                 await self._keep(index + 1)
                 clock.lap("save")
             await sync_weights(self.trainer, self.generator)
+            if self.pool is not None:
+                self.pool.version += 1  # the generator's weights: one training step newer
         clock.lap("sync")
         await self._readings("sync", clock)
         moves = await self.moves.since_last(self.services())  # what the switches moved
         clock.lap("readings")
         row = {"step": index, **stats, **metrics, **clock.metrics(switch_ahead_s=ahead_s),
-               **moves}
+               **moves, **rollout}
+        row["samples_per_s"] = row["finished_samples"] / row["step_s"]
         if (index + 1) % cfg.run.eval_every == 0 or index + 1 == cfg.run.steps:
             row["eval_reward"] = await self.evaluate(f"the evaluation after step {index}")
         return row

@@ -45,6 +45,7 @@ class Recovering(Protocol):
     checkpoints: Checkpoints
     sampler: Any  # the task's prompt sampler: state_dict() / load_state_dict()
     sampler_start: dict[str, Any]  # its state before any step
+    pool: Any  # rollout.mode=partial: the carried samples (`partial.Pool`); None: sync
 
     async def load(self, checkpoint: Path | None) -> None: ...
 
@@ -97,6 +98,8 @@ class Recovery:
         await loop.load(path)
         redone = record.steps[len(state.metrics):]
         loop.sampler.load_state_dict(state.sampler)
+        if loop.pool is not None:
+            loop.pool.load_state_dict(state.carried)
         record.rewind(state)
         record.restart({
             "step": index, "resumed_at": state.step, "steps_redone": index - state.step,

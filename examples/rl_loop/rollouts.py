@@ -123,6 +123,12 @@ class GRPOLoss:
     "ref_logprobs" when it has them."""
 
     config: GRPOConfig
+    # partial rollouts, a batch with tokens of older versions ("behind" > 0): the truncation
+    # of their importance weight, and which of the step's updates this is (the first keeps
+    # the proximal log-probabilities, the trainer's at the step's start, for the others)
+    is_cap: float | None = None
+    update: int = 0
+    updates: int = 1
 
     def __call__(self, module: torch.nn.Module, batch: dict[str, torch.Tensor]
                  ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -133,5 +139,41 @@ class GRPOLoss:
                         attention_mask=batch["valid"].long()).logits
         logprobs = token_logprobs(logits, batch["targets"], batch["mask"],
                                   self.config.temperature)
+        if self.is_cap is None or "behind" not in batch:
+            return grpo_loss(logprobs, batch["old_logprobs"], batch["advantages"],
+                             batch["mask"], self.config, batch.get("ref_logprobs"))
+        if self.update == 0:  # before any update of this batch: the proximal policy's
+            prox = logprobs.detach()
+            if self.updates > 1:
+                module.__dict__[PROX] = prox
+        else:
+            prox = module.__dict__[PROX]
+            if self.update == self.updates - 1:  # the last update: they go with this step
+                del module.__dict__[PROX]
         return grpo_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch["mask"],
-                         self.config, batch.get("ref_logprobs"))
+                         self.config, batch.get("ref_logprobs"), prox_logprobs=prox,
+                         stale=batch["behind"], is_cap=self.is_cap)
+
+
+PROX = "_rl_loop_proximal_logprobs"  # where the first update leaves them on the module
+
+
+def losses(grpo: GRPOConfig, updates: int, is_cap: float | None) -> list[GRPOLoss]:
+    """The loss of each of a step's `updates`: the plain one, or (`is_cap`, a batch with
+    older tokens) the first keeping the proximal log-probabilities, the last dropping
+    them."""
+    if is_cap is None:
+        return [GRPOLoss(grpo)] * updates
+    return [GRPOLoss(grpo, is_cap, u, updates) for u in range(updates)]
+
+
+def behind(prompts: list[list[int]], completions: list[Completion], version: int,
+           like: torch.Tensor) -> torch.Tensor:
+    """[B, T] as `like` (the batch's mask): at each completion token, how many policy
+    versions older than `version` the one that sampled it is."""
+    out = torch.zeros_like(like)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        start = len(prompt) - 1
+        out[row, start:start + len(completion.versions)] = torch.tensor(
+            [version - v for v in completion.versions], dtype=out.dtype)
+    return out

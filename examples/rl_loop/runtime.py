@@ -153,12 +153,16 @@ class Runtime:
                        ) -> tuple[list[list[int]], list]:
         """`copies` completions per prompt, spread over the generator's replicas."""
         tokens = [p.tokens for p in prompts for _ in range(copies)]
+        return tokens, await self.generate_ids(tokens, params)
+
+    async def generate_ids(self, tokens: list[list[int]], params: SamplingParams) -> list:
+        """A completion of each prompt (token ids), spread over the generator's replicas."""
         chunks = max(1, len(self.generator.replicas))
         size = -(-len(tokens) // chunks)
         parts = await asyncio.gather(*(
             self.generator.generate.route(tokens[i:i + size], self._seeded(params, i))
             for i in range(0, len(tokens), size)))
-        return tokens, [c for part in parts for c in part]
+        return [c for part in parts for c in part]
 
     @staticmethod
     def _seeded(params: SamplingParams, first: int) -> SamplingParams:

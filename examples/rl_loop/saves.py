@@ -29,6 +29,7 @@ class Saves:
     record: RunRecord
     sampler: Any  # the task's prompt sampler: state_dict() / load_state_dict()
     trainer: Service
+    pool: Any  # rollout.mode=partial: the carried samples (`partial.Pool`); None: sync
     save_waits = False  # the trainer's saves: staged, then written in the background
 
     def _saves(self, done: int) -> bool:
@@ -58,6 +59,7 @@ class Saves:
                   identity=identity(self.record.config), metrics=self.record.steps,
                   memory=self.record.memory, phases=self.record.phases,
                   restarts=self.record.restarts, elapsed_s=self.record.now(),
+                  carried=None if self.pool is None else self.pool.state_dict(),
                   ).write(self.checkpoints.path(done) / "loop.json")
         self.checkpoints.prune()
 
@@ -71,5 +73,7 @@ class Saves:
             return None
         path, state = found
         self.sampler.load_state_dict(state.sampler)
+        if self.pool is not None:
+            self.pool.load_state_dict(state.carried)
         self.record.resume(state)
         return path, state

@@ -36,6 +36,7 @@ FORMAT = 1
 # the reward functions run, not what they say).
 IDENTITY = ("model", "task", "data", "reward.funcs", "reward.weights", "reward.on_error",
             "grpo", "run.seed", "run.engine")
+# and `rollout`, once a run is not sync (so the checkpoints of sync runs resume as before)
 
 
 class ResumeError(RuntimeError):
@@ -69,6 +70,7 @@ class LoopState:
     phases: list[tuple[float, str]] = field(default_factory=list)
     restarts: list[dict[str, Any]] = field(default_factory=list)
     elapsed_s: float = 0.0  # the run's clock at the save: a resumed record goes on from it
+    carried: dict[str, Any] | None = None  # rollout.mode=partial: the pool (partial.Pool)
     format: int = FORMAT
 
     def write(self, path: Path) -> None:
@@ -95,6 +97,9 @@ class LoopState:
 def identity(config: dict[str, Any]) -> dict[str, Any]:
     """The IDENTITY settings of a resolved configuration (`config.as_dict`), by dotted name."""
     found = {}
+    rollout = config.get("rollout", {"mode": "sync"})
+    if rollout["mode"] != "sync":
+        found["rollout"] = rollout
     for name in IDENTITY:
         value: Any = config
         for key in name.split("."):

@@ -10,6 +10,11 @@ gets a learnable signal, too long or too short completions lose credit, and the 
 alone scores 1.0. The held-out evaluation set is fixed by its seed and never sampled for
 training. Prompts and completions are text: the loop encodes and decodes them with the
 model's own tokenizer (the default model's is a character tokenizer over ALPHABET).
+
+The long-tail variant (`--config examples/rl_loop/long_tail.yaml`: 1 to 24 digits, each
+length k digits past the shortest weighted length_decay**k) has completions of 2 to 25
+tokens, most of them short: a sync step's generation lasts as long as its longest sample,
+which `rollout.mode=partial` (`partial.py`) does not wait for.
 """
 
 from __future__ import annotations
@@ -31,11 +36,16 @@ class TaskConfig:
     max_digits: int = 4
     eval_size: int = 64
     eval_seed: int = 1234
+    # each string's length: 1.0 uniform in [min_digits, max_digits]; below 1, a long tail:
+    # length min_digits + k with weight length_decay**k (the long-tail task, long_tail.yaml)
+    length_decay: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError(f"TaskConfig: need 1 <= min_digits ({self.min_digits}) <= "
                              f"max_digits ({self.max_digits})")
+        if not 0 < self.length_decay <= 1:
+            raise ValueError(f"TaskConfig.length_decay={self.length_decay}: must be in (0, 1]")
         distinct = sum(10**n for n in range(self.min_digits, self.max_digits + 1))
         if not 1 <= self.eval_size <= distinct // 2:
             raise ValueError(f"TaskConfig.eval_size={self.eval_size}: must be in "
@@ -49,7 +59,11 @@ class TaskConfig:
 
 
 def _prompt(cfg: TaskConfig, rng: random.Random) -> str:
-    length = rng.randint(cfg.min_digits, cfg.max_digits)
+    if cfg.length_decay == 1.0:  # uniform: exactly the draws of before the long tail existed
+        length = rng.randint(cfg.min_digits, cfg.max_digits)
+    else:
+        lengths = range(cfg.min_digits, cfg.max_digits + 1)
+        length = rng.choices(lengths, [cfg.length_decay**k for k in range(len(lengths))])[0]
     return "".join(rng.choice(DIGITS) for _ in range(length)) + SEPARATOR
 
 
