@@ -60,7 +60,7 @@ class GroupMember(Protocol):
 
     def hold(self, why: str) -> None: ...
 
-    def end_hold(self) -> None: ...
+    def end_hold(self, failure: str | None = None, actors_gone: bool = False) -> None: ...
 
     def keep(self, task: asyncio.Task) -> None: ...
 
@@ -205,14 +205,8 @@ class GroupRestarts:
                                             time.monotonic() - detected, count, names, why))
         message = (f"its resource group {self.group!r} did not come back: the restart after "
                    f"({cause}) failed: {why}")
-        for service in services:
-            for replica in service.replicas:
-                # HEALTHY: one of its hooks failed
-                if replica.state in (ReplicaState.HEALTHY, ReplicaState.RECOVERING):
-                    replica.move(ReplicaState.FAILED, message)
-                if not cancelled and replica.state is ReplicaState.FAILED:
-                    replica.actors = None  # stopped above, or on the procs killed before
-            service.end_hold()
+        for service in services:  # actors stopped above, or on the procs killed before
+            service.end_hold(message, actors_gone=not cancelled)
         if not cancelled:
             self.services = []  # the group is gone: services spawned in it anew start over
 

@@ -7,11 +7,8 @@ sessions, bounded retries, and a drained shutdown.
     async with svc.session() as s:                    # calls stick to one replica
         await svc.generate.route(prompt, session=s)
 
-A call goes to a replica whose tenant has the stages its endpoint needs (`colocate.needs`;
-undeclared: every stage) awake on all its procs, as the arbiter reports; never to one
-that a switch in flight may put to sleep (the resource manager drains them first). When
-none is, `config.when_asleep` decides: wait (bounded), wake those stages, or fail with
-`ServiceAsleepError`. Every call ends in a result or an exception.
+A call goes to a replica with the stages its endpoint needs awake, or waits for one, as
+`config.when_asleep` says (`services.picking`). Every call ends in a result or an exception.
 
 A replica whose proc dies is marked failed and, with `config.respawn`, started again on new
 procs for the same slots; calls go to the other replicas meanwhile, or wait for it when it
@@ -23,10 +20,6 @@ loop syncs the trainer's weights into it there, so no call meets stale weights).
 Waits (for an awake replica, for calls in flight to finish before a switch) sleep on the
 service's `Changes` and wake when something they wait for may have changed: a switch ended
 (the resource manager tells its `Watcher`), a call finished, a replica changed state.
-
-Over 400 lines for one reason: routing, healing and closing all read and move the same
-replicas under the same waits, so they stay one class; what stands apart is elsewhere
-(the endpoint handle, the session router, the autoscaler, group restarts).
 """
 
 from __future__ import annotations
@@ -53,13 +46,8 @@ from services.autoscaler import Autoscaler, LoadSnapshot, ReplicaLoad
 from services.config import ServiceConfig
 from services.distributed import setup_distributed
 from services.endpoint import ServiceEndpoint, endpoint_error
-from services.errors import (
-    ServiceAsleepError,
-    ServiceClosedError,
-    ServiceError,
-    ServiceUnavailableError,
-)
-from services.holding import in_hooks
+from services.errors import ServiceClosedError, ServiceUnavailableError
+from services.picking import Picking
 from services.replica import Replica, ReplicaState, ReplicaStateError, tenant_name
 from services.restart import GroupRestarts
 from services.router import make_router
@@ -69,7 +57,7 @@ logger = logging.getLogger(__name__)
 A = TypeVar("A")  # the actor class of a service's replicas
 
 
-class Service(Generic[A]):
+class Service(Picking, Generic[A]):
     """A set of replicas of one actor class `A`, colocated through the resource manager;
     `svc.<endpoint>` is a `ServiceEndpoint` typed from `A`'s endpoint (services.endpoint).
     It joins `restarts`, its resource group's (refused when its restart policy differs)."""
@@ -116,19 +104,6 @@ class Service(Generic[A]):
 
     # -- routing -------------------------------------------------------------------------
 
-    def _ready(self, exclude: set[int]) -> list[Replica]:
-        """The healthy replicas not in `exclude` (none while its group restarts)."""
-        if self._holding():
-            return []
-        return [r for r in self.replicas
-                if r.state is ReplicaState.HEALTHY and r.index not in exclude]
-
-    def _routable(self, replicas: list[Replica],
-                  stages: tuple[str, ...] | None = None) -> list[Replica]:
-        """Those of `replicas` that can take a call needing `stages` (None: every stage)
-        now, for the resource manager: those stages awake, no switch in flight."""
-        return [r for r in replicas if self.rm.routable(r.tenant, stages)]
-
     def load_snapshot(self) -> LoadSnapshot:
         """What the autoscaler reads: the replicas not stopped, how many are ready, and how
         many calls wait for one."""
@@ -136,85 +111,10 @@ class Service(Generic[A]):
                      for r in self.replicas if r.state is not ReplicaState.STOPPED)
         return LoadSnapshot(live, len(self._routable(self._ready(set()))), self.waiting)
 
-    def _how_to_wake(self) -> str:
-        return (f"Wake it for the calls: `async with phase(service):` around them (this "
-                f"service is {self.name!r}; `phase` is colocate.phase), or let calls wake it "
-                "with ServiceConfig(when_asleep='wake').")
-
-    def _awake_elsewhere(self) -> str:
-        return ", ".join(self.rm.awake_tenants()) or "nothing"
-
-    async def _pick(self, session: str | None, exclude: set[int],
-                    stages: tuple[str, ...] | None) -> Replica:
-        self.waiting += 1
-        try:
-            return await self._wait_for_replica(session, exclude, stages)
-        finally:
-            self.waiting -= 1
-
-    async def _wait_for_replica(self, session: str | None, exclude: set[int],
-                                stages: tuple[str, ...] | None) -> Replica:
-        """A healthy replica not in `exclude` with `stages` awake; waits for one (bounded)
-        as the replicas' states and the `when_asleep` policy say, woken by each change."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.wait_timeout_s
-        woken = False
-        late: ServiceError  # raised when the wait runs out
-        while True:
-            since = self._changes.version  # before looking: a change after it ends the wait
-            if self.closed:
-                raise ServiceClosedError(f"service {self.name!r} is shut down")
-            healthy = self._ready(exclude)  # none while held: that case comes first below
-            candidates = self._routable(healthy, stages)
-            if candidates:
-                return self.router.pick(candidates, session)
-            coming = [r.index for r in self.replicas
-                      if r.state in (ReplicaState.STARTING, ReplicaState.RECOVERING)]
-            if self._holding():  # its group restarts: every replica comes back
-                exclude.clear()
-                late = ServiceUnavailableError(
-                    f"service {self.name!r}: its resource group did not come back within "
-                    f"{self.config.wait_timeout_s} s of a failure: {self.held}")
-            elif not healthy and coming:  # the last ones are coming back: wait for them
-                exclude.difference_update(coming)  # a respawned one is a new replica
-                late = ServiceUnavailableError(
-                    f"service {self.name!r}: no replica came back within "
-                    f"{self.config.wait_timeout_s} s of a failure: " + self.failures())
-            elif not healthy:
-                raise ServiceUnavailableError(
-                    f"service {self.name!r} has no healthy replica left: " + self.failures())
-            elif self.config.when_asleep == "fail":
-                raise ServiceAsleepError(f"service {self.name!r} has no awake replica; "
-                                         f"awake now: {self._awake_elsewhere()}. "
-                                         + self._how_to_wake())
-            elif self.config.when_asleep == "wake" and not woken:
-                woken = True
-                await self.rm.wake_for(healthy[0].tenant, stages)
-                continue
-            else:
-                late = ServiceAsleepError(
-                    f"service {self.name!r}: no replica woke within "
-                    f"{self.config.wait_timeout_s} s; awake now: {self._awake_elsewhere()}. "
-                    + self._how_to_wake())
-            left = deadline - loop.time()
-            if left <= 0:
-                raise late
-            await self._changes.wait(since, left)
-
-    def failures(self) -> str:
-        """Each replica's state and, for a failed one, why; and what to do when a failed
-        one will not come back by itself."""
-        found = "; ".join(f"replica {r.index}: {r.state.value} ({r.failure})"
-                          for r in self.replicas)
-        if self.held is not None:
-            found += f"; {self.held}"
-        if not self.config.respawn and any(r.state is ReplicaState.FAILED for r in self.replicas):
-            found += (f"; service {self.name!r} does not respawn replicas (respawn=False), "
-                      "so a failed one stays failed: spawn the service again")
-        return found
-
     async def _route(self, endpoint: str, args: tuple, kwargs: dict,
                      session: str | None) -> Any:
+        """`endpoint` on one replica (`session`'s, if given); a replica found broken is
+        failed and the call goes to another, at most `max_retries` times."""
         failed: set[int] = set()
         faults, room_made = 0, False
         while True:
@@ -288,10 +188,6 @@ class Service(Generic[A]):
             replica.move(ReplicaState.RECOVERING)
             self.keep(asyncio.ensure_future(self._respawn(replica)))
 
-    def _holding(self) -> bool:
-        """Routed calls wait: the group restarts (calls from its restart hooks go on)."""
-        return self.held is not None and not in_hooks(self.request.resource_group)
-
     def hold(self, why: str) -> None:
         """Its group restarts: every replica counts as failed and recovering (calls in
         flight end with ReplicaLostError), and routed calls wait until `end_hold`."""
@@ -303,8 +199,16 @@ class Service(Generic[A]):
                 replica.move(ReplicaState.RECOVERING)
         self._changes.notify()
 
-    def end_hold(self) -> None:
-        """Its group's restart ended: routed calls go on (or fail, if it failed)."""
+    def end_hold(self, failure: str | None = None, actors_gone: bool = False) -> None:
+        """Its group's restart ended: routed calls go on. When it failed (`failure`), its
+        replicas coming back (or back: a restart hook failed) are failed with why, and with
+        `actors_gone` (stopped, or on the procs killed) forget their actors."""
+        if failure is not None:
+            for replica in self.replicas:
+                if replica.state in (ReplicaState.HEALTHY, ReplicaState.RECOVERING):
+                    replica.move(ReplicaState.FAILED, failure)
+                if actors_gone and replica.state is ReplicaState.FAILED:
+                    replica.actors = None
         self.held = None
         self._changes.notify()
 
