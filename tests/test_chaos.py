@@ -26,20 +26,34 @@ def test_the_plan_spreads_the_kinds_and_is_seeded():
         assert [f.step for f in faults] == sorted(f.step for f in faults)
 
 
+def test_leftovers_are_the_run_procs_files_and_live_children(tmp_path):
+    before = chaos.shm_files()
+    mine = chaos.SHM / "chaos-test-999999999.bin"  # named with a proc of the run's pid
+    other = chaos.SHM / "chaos-test-someone-else.bin"
+    for path in (mine, other):
+        path.write_bytes(b"x")
+    try:
+        found = chaos.leftovers(before, {999999999})
+    finally:
+        mine.unlink()
+        other.unlink()
+    assert found == {"procs": [], "shm": [str(mine)]}
+
+
 async def test_faults_of_several_kinds_are_survived_with_the_same_metrics(tmp_path):
-    """One slot, 16 steps, a checkpoint every 4: a slot proc killed while generating, a
-    kill during the weight handoff, during a checkpoint's background write and during the
-    group's restart."""
+    """16 steps, a checkpoint every 4: on one slot, its proc killed while generating,
+    during the weight handoff and during a checkpoint's background write; on two slots
+    (DDP), one trainer rank's proc killed during the train step."""
     out = tmp_path / "chaos.json"
+    kinds = ["kill-generator", "kill-during-handoff", "kill-during-save", "kill-trainer-rank"]
     args = chaos.parse(["--faults", "4", "--steps", "16", "--save-every", "4", "--seed", "1",
-                        "--kinds", "kill-generator", "kill-during-handoff",
-                        "kill-during-save", "kill-during-restart", "--out", str(out)])
+                        "--kinds", *kinds, "--out", str(out)])
     found = await chaos.main(args)
     assert json.loads(out.read_text())["injected"] == 4
     assert found["survived"] == found["injected"] == 4, found["faults"]
     assert found["equal_to_unfaulted"], found["runs"]
     assert found["leftovers"] == 0, found["runs"]
     for fault in found["faults"]:
-        assert fault["steps_redone"] <= 4 and fault["back_s"] > 0
-    assert {f["kind"] for f in found["faults"]} == {"kill-generator", "kill-during-handoff",
-                                                    "kill-during-save", "kill-during-restart"}
+        assert fault["outcome"] == "went on" and fault["detect_s"] < 5
+        assert 0 < fault["back_s"] and fault["steps_redone"] <= 4
+    assert sorted(f["kind"] for f in found["faults"]) == sorted(kinds)
