@@ -3,16 +3,19 @@
     svc: Service[Generator] = await spawn_service(config, Generator)
     text = await svc.generate.route(prompt)       # typed as Generator.generate: str -> str
     texts = await svc.generate.fanout(prompt)     # list[str]
+    async with svc.session():                     # the routes inside go to one replica
+        await svc.generate.route(prompt)
 
 `ServiceEndpoint[P, R]` keeps the endpoint's parameters `P` and result `R`, as Monarch's
 `Endpoint(Protocol[P, R])` does for an actor mesh; with the mypy plugin
 (`plugins = ["services.mypy_plugin"]`) `svc.generate` is typed from `Generator.generate`,
-so a type checker flags a wrong argument. `phase(svc.generate)` wakes on the service's
-replicas only the stages the endpoint needs (`colocate.needs`). A service reaches its
-replicas through `route`
-(one replica) and `fanout` (every awake one) only: Monarch's actor verbs (`call`,
-`call_one`, `choose`, `broadcast`, `stream`) raise `AttributeError` saying so, and
-`endpoint_error` tells a method that is not an `@endpoint` from a name that is not there.
+so a type checker flags a wrong argument: `route` takes exactly the endpoint's own
+arguments, as Monarch's adverbs do (a session is a block, `Service.session`, not an
+argument). `phase(svc.generate)` wakes on the service's replicas only the stages the
+endpoint needs (`colocate.needs`). A service reaches its replicas through `route` (one
+replica) and `fanout` (every awake one) only: Monarch's actor verbs (`call`, `call_one`,
+`choose`, `broadcast`, `stream`) raise `AttributeError` saying so, and `endpoint_error`
+tells a method that is not an `@endpoint` from a name that is not there.
 """
 
 from __future__ import annotations
@@ -26,14 +29,14 @@ R = TypeVar("R")
 
 ACTOR_VERBS = ("call", "call_one", "choose", "broadcast", "stream", "rref")
 
-Route = Callable[[str, tuple, dict, str | None], Awaitable[Any]]
+Route = Callable[[str, tuple, dict], Awaitable[Any]]
 Fanout = Callable[[str, tuple, dict], Awaitable[list[Any]]]
 
 
 class ServiceEndpoint(Generic[P, R]):
     """`route` to one replica whose stages the endpoint needs are awake, and healthy
-    (sticking to `session=`'s replica, as `Service.session` gives one); `fanout` to every
-    such replica."""
+    (inside `async with svc.session():`, the session's replica); `fanout` to every such
+    replica."""
 
     def __init__(self, service: str, name: str, route: Route, fanout: Fanout,
                  tenants: Callable[[], list[str]] = list,
@@ -50,13 +53,9 @@ class ServiceEndpoint(Generic[P, R]):
         return self._stages
 
     async def route(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        """The endpoint's result on one replica. `session=` (from `Service.session`) keeps
-        the calls of a session on one replica; the mypy plugin types it as `str | None`."""
-        session = kwargs.pop("session", None)
-        if session is not None and not isinstance(session, str):
-            raise TypeError(f"session= takes a session id from Service.session(), got "
-                            f"{type(session).__name__}")
-        return await self._route(self.name, args, kwargs, session)
+        """The endpoint's result on one replica (inside `async with svc.session():`, the
+        session's)."""
+        return await self._route(self.name, args, kwargs)
 
     async def fanout(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """The endpoint's results on every replica it can run on now, in replica order."""

@@ -8,11 +8,11 @@
 `name` of A, as a ServiceEndpoint". This plugin does: for `svc.generate` on a `Service[Gen]`
 it reads `Gen.generate`'s own signature (its `@endpoint` method, `self` dropped, an `async`
 method's result unwrapped) and gives `ServiceEndpoint[<those parameters>, <its result>]`, so
-`svc.generate.route(...)` is checked like a call of the method (plus `session=`) and
-`fanout(...)` returns a list of its result. `svc.<name>` where `Gen.name` is a method but not
-an `@endpoint`, or no attribute at all, is an error saying which, as at run time. The method
-is read from its definition, so Monarch's own typing (it ships no py.typed marker) is not
-needed.
+`svc.generate.route(...)` is checked like a call of the method (its own arguments only: a
+session is a block, `Service.session`) and `fanout(...)` returns a list of its result.
+`svc.<name>` where `Gen.name` is a method but not an `@endpoint`, or no attribute at all, is
+an error saying which, as at run time. The method is read from its definition, so Monarch's
+own typing (it ships no py.typed marker) is not needed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import difflib
 from collections.abc import Callable
 
 from mypy.nodes import (
-    ARG_NAMED_OPT,
     CallExpr,
     Decorator,
     Expression,
@@ -29,16 +28,14 @@ from mypy.nodes import (
     NameExpr,
     RefExpr,
 )
-from mypy.plugin import AttributeContext, MethodSigContext, Plugin
+from mypy.plugin import AttributeContext, Plugin
 from mypy.types import (
     AnyType,
     CallableType,
     Instance,
-    NoneType,
     Parameters,
     Type,
     TypeOfAny,
-    UnionType,
     get_proper_type,
 )
 
@@ -111,29 +108,12 @@ def _attribute_hook(name: str) -> Callable[[AttributeContext], Type]:
     return hook
 
 
-def _route_signature(ctx: MethodSigContext) -> CallableType:
-    """`route(...)`: the endpoint's parameters, and `session: str | None = None`."""
-    sig = ctx.default_signature
-    if "session" in sig.arg_names:
-        return sig
-    session = UnionType([ctx.api.named_generic_type("builtins.str", []), NoneType()])
-    at = len(sig.arg_kinds) - (1 if sig.arg_kinds and sig.arg_kinds[-1].name == "ARG_STAR2"
-                               else 0)
-    return sig.copy_modified(arg_types=[*sig.arg_types[:at], session, *sig.arg_types[at:]],
-                             arg_kinds=[*sig.arg_kinds[:at], ARG_NAMED_OPT, *sig.arg_kinds[at:]],
-                             arg_names=[*sig.arg_names[:at], "session", *sig.arg_names[at:]])
-
-
 class ServicePlugin(Plugin):
     def get_attribute_hook(self, fullname: str) -> Callable[[AttributeContext], Type] | None:
         owner, _, name = fullname.rpartition(".")
         if owner == SERVICE and not name.startswith("_"):
             return _attribute_hook(name)
         return None
-
-    def get_method_signature_hook(self, fullname: str
-                                  ) -> Callable[[MethodSigContext], CallableType] | None:
-        return _route_signature if fullname == f"{ENDPOINT}.route" else None
 
 
 def plugin(version: str) -> type[Plugin]:

@@ -5,12 +5,19 @@ names ("round_robin" or "least_loaded"): a call with a session goes to the repli
 session last used while that replica can take it, and otherwise (no session, or its replica
 is asleep, failed or gone) to the fallback's pick, which the session then keeps. Session
 stickiness lives here and nowhere else.
+
+A session is a block, `async with svc.session():` (`SessionRouter.session`): the calls
+routed inside it, in its task and in the tasks started there (they copy its context), are
+the session's, so `route` takes only the endpoint's own arguments. Each service's router
+keeps its own session in the context, so the sessions of two services nest apart.
 """
 
 from __future__ import annotations
 
+import contextvars
 import itertools
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import Protocol
 
 from services.replica import Replica
@@ -36,6 +43,11 @@ class LeastLoaded:
 ROUTERS: dict[str, type[Router]] = {"round_robin": RoundRobin, "least_loaded": LeastLoaded}
 
 
+# the session of each router (each service) in this context, set by `SessionRouter.session`
+_sessions: contextvars.ContextVar[Mapping[SessionRouter, str]] = \
+    contextvars.ContextVar("service_sessions")
+
+
 class SessionRouter:
     """Sessions stick to a replica; the rest (and a session whose replica cannot take the
     call) goes to `fallback`."""
@@ -43,6 +55,24 @@ class SessionRouter:
     def __init__(self, fallback: Router) -> None:
         self.fallback = fallback
         self.sessions: dict[str, int] = {}  # session -> the index of its replica
+        self._ids = itertools.count()
+
+    @asynccontextmanager
+    async def session(self, prefix: str) -> AsyncIterator[str]:
+        """A session (its id: `prefix`-n) for the calls routed inside the block (see
+        module); the router forgets it after."""
+        session = f"{prefix}-{next(self._ids)}"
+        token = _sessions.set({**_sessions.get({}), self: session})
+        try:
+            yield session
+        finally:
+            _sessions.reset(token)
+            self.end(session)
+
+    def current(self) -> str | None:
+        """The session of the innermost `session` block of this router around the caller
+        (None: outside any)."""
+        return _sessions.get({}).get(self)
 
     def pick(self, candidates: Sequence[Replica], session: str | None = None) -> Replica:
         if session is not None:

@@ -4,8 +4,8 @@ sessions, bounded retries, and a drained shutdown.
     svc = await spawn_service(ServiceConfig(num_replicas=2, resource_group="rl"), Gen, cfg)
     out = await svc.generate.route(prompt)            # one awake, healthy replica
     outs = await svc.generate.fanout(prompt)          # every awake, healthy replica
-    async with svc.session() as s:                    # calls stick to one replica
-        await svc.generate.route(prompt, session=s)
+    async with svc.session():                         # the routes inside stick to one replica
+        await svc.generate.route(prompt)
 
 A call goes to a replica with the stages its endpoint needs awake, or waits for one, as
 `config.when_asleep` says (`services.picking`). Every call ends in a result or an exception.
@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Generic, TypeVar
 
 from monarch.actor import ActorError
@@ -72,7 +71,6 @@ class Service(Picking, Generic[A]):
         self.router = make_router(config.router)  # sessions stick there
         self.endpoints = endpoint_names(actor_class)
         self.needs = {e: call_spec(actor_class, e).stages for e in self.endpoints}  # its stages
-        self._session_ids = itertools.count()
         self.closed = False
         self.waiting = 0  # calls waiting for a replica
         self._changes = Changes()  # switches, finished calls, replica states, closing
@@ -111,10 +109,10 @@ class Service(Picking, Generic[A]):
                      for r in self.replicas if r.state is not ReplicaState.STOPPED)
         return LoadSnapshot(live, len(self._routable(self._ready(set()))), self.waiting)
 
-    async def _route(self, endpoint: str, args: tuple, kwargs: dict,
-                     session: str | None) -> Any:
-        """`endpoint` on one replica (`session`'s, if given); a replica found broken is
-        failed and the call goes to another, at most `max_retries` times."""
+    async def _route(self, endpoint: str, args: tuple, kwargs: dict) -> Any:
+        """`endpoint` on one replica (the session's, inside `session`); a replica found
+        broken is failed and the call goes to another, at most `max_retries` times."""
+        session = self.router.current()
         failed: set[int] = set()
         faults, room_made = 0, False
         while True:
@@ -245,14 +243,11 @@ class Service(Picking, Generic[A]):
             if not isinstance(err, Exception):
                 raise
 
-    @asynccontextmanager
-    async def session(self) -> AsyncIterator[str]:
-        """A session id: calls routed with it stick to one replica while it can take them."""
-        session = f"{self.name}-{next(self._session_ids)}"
-        try:
-            yield session
-        finally:
-            self.router.end(session)
+    def session(self) -> AbstractAsyncContextManager[str]:
+        """`async with svc.session():` the calls routed inside (in this task, and in the
+        tasks it starts) stick to one replica while it can take them; another service's
+        session leaves them be. Yields the session's id (`router.sessions` keys)."""
+        return self.router.session(self.name)
 
     # -- replicas ----------------------------------------------------------------------
 

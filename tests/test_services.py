@@ -147,9 +147,8 @@ async def test_sessions_stick_and_errors_reach_the_caller():
     async with start_runtime(gpus_per_host=2) as rm:
         _, generator = await colocated(rm)
         async with phase(generator):
-            async with generator.session() as session:
-                pids = {(await generator.memory.route(session=session))["pid"]
-                        for _ in range(10)}
+            async with generator.session():
+                pids = {(await generator.memory.route())["pid"] for _ in range(10)}
             assert len(pids) == 1
             everywhere = await generator.memory.fanout()
             assert len({m["pid"] for m in everywhere}) == 2
@@ -165,6 +164,41 @@ async def test_sessions_stick_and_errors_reach_the_caller():
                 generator.wrk  # noqa: B018
             with pytest.raises(AttributeError, match=r"supports route\(\) .* and fanout\(\)"):
                 generator.work.call_one(1)
+
+
+async def test_a_session_is_a_block_per_service_and_per_task():
+    """Inside `async with svc.session():` the routes go to one replica with no argument;
+    concurrent tasks in sessions of their own keep to their own; outside, round robin as
+    before; another service's session nested inside leaves the outer one be."""
+    async with start_runtime(gpus_per_host=4):
+        a, b = [await spawn_service(ServiceConfig(num_replicas=2, procs_per_host=1,
+                                                  resource_group=name, router="round_robin"),
+                                    MemoryTenant, 1, name=name) for name in ("a", "b")]
+
+        async def pids(svc, n: int = 6) -> list[int]:
+            return [(await svc.memory.route())["pid"] for _ in range(n)]
+
+        assert len(set(await pids(a))) == 2  # no session: round robin over both
+        async with a.session() as in_a:
+            assert (a.router.current(), b.router.current()) == (in_a, None)
+            mine = set(await pids(a))
+            assert len(mine) == 1
+            async with b.session() as in_b:
+                assert (a.router.current(), b.router.current()) == (in_a, in_b)
+                assert len(set(await pids(b))) == 1
+                assert set(await pids(a)) == mine  # b's session leaves a's be
+            assert b.router.current() is None and len(set(await pids(b))) == 2
+            assert set(await pids(a)) == mine
+        assert a.router.current() is None and a.router.sessions == {} == b.router.sessions
+        assert len(set(await pids(a))) == 2
+
+        async def own_session() -> list[int]:
+            async with a.session():
+                return await pids(a, 10)
+
+        seen = await asyncio.gather(*(own_session() for _ in range(2)))
+        assert [len(set(s)) for s in seen] == [1, 1] and seen[0][0] != seen[1][0]
+        assert a.router.sessions == {}
 
 
 async def test_a_killed_replica_loses_no_request_and_comes_back():
@@ -184,18 +218,19 @@ async def test_a_killed_replica_loses_no_request_and_comes_back():
                 await asyncio.sleep(0.01)
             return out
 
+        # the clients start outside the session: a task started inside would be in it
+        clients = [asyncio.create_task(client(1000 * c)) for c in range(4)]
         async with generator.session() as session:  # a session on the replica to kill
             while generator.router.sessions.get(session) != victim.index:
                 generator.router.end(session)
-                await generator.work.route(0, session=session)
-            clients = [asyncio.create_task(client(1000 * c)) for c in range(4)]
+                await generator.work.route(0)
             await asyncio.sleep(0.2)
             os.kill(pid, signal.SIGKILL)
             for _ in range(1000):
                 if victim.state is not ReplicaState.HEALTHY:
                     break
                 await asyncio.sleep(0.01)
-            assert await generator.work.route(5, session=session) == 5
+            assert await generator.work.route(5) == 5
             assert generator.router.sessions[session] == 1  # the session moved
             results = await asyncio.gather(*clients)
         assert results == [list(range(1000 * c, 1000 * c + 60)) for c in range(4)]
@@ -338,3 +373,4 @@ async def test_names_like_generations_or_ids_respawn_as_themselves():
                 await back(svc.replicas[0], generation)
                 assert svc.replicas[0].tenant == f"{svc.name}_r0_g{generation}"
         assert rm.awake_tenants() == sorted(f"{name}_r0_g2" for name in names)
+

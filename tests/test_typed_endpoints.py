@@ -39,11 +39,11 @@ def test_a_method_that_is_not_an_endpoint_is_told_from_a_typo():
     assert "its endpoints: generate" in str(endpoint_error("gen", Gen, endpoints, "zzz"))
 
 
-def test_actor_verbs_say_to_route_or_fanout_and_route_takes_the_session():
+def test_actor_verbs_say_to_route_or_fanout_and_route_takes_only_the_endpoints_arguments():
     sent = []
 
-    async def route(name, args, kwargs, session):
-        sent.append(("route", name, args, kwargs, session))
+    async def route(name, args, kwargs):
+        sent.append(("route", name, args, kwargs))
         return "one"
 
     async def fanout(name, args, kwargs):
@@ -57,9 +57,11 @@ def test_actor_verbs_say_to_route_or_fanout_and_route_takes_the_session():
             getattr(ep, verb)
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         ep.nope  # noqa: B018
-    assert asyncio.run(ep.route("hi", n=2, session="s")) == "one"
+    assert asyncio.run(ep.route("hi", n=2)) == "one"
+    assert asyncio.run(ep.route("hi", session="s")) == "one"  # the endpoint's, if it has one
     assert asyncio.run(ep.fanout("hi")) == ["one", "two"]
-    assert sent == [("route", "generate", ("hi",), {"n": 2}, "s"),
+    assert sent == [("route", "generate", ("hi",), {"n": 2}),
+                    ("route", "generate", ("hi",), {"session": "s"}),
                     ("fanout", "generate", ("hi",), {})]
 
 
@@ -77,8 +79,10 @@ class Gen(Actor):
 
 async def main() -> None:
     svc = await spawn_service(ServiceConfig(), Gen)
-    texts: list[str] = await svc.generate.route("hi", n=2, session=None)  # right
+    async with svc.session():
+        texts: list[str] = await svc.generate.route("hi", n=2)  # right
     await svc.generate.fanout(3)  # wrong
+    await svc.generate.route("hi", session="s")  # wrong: a session is a block
 '''
 
 MYPY_CONFIG = """
@@ -91,7 +95,7 @@ follow_imports = silent
 """
 
 
-def test_the_type_checker_reports_exactly_the_wrong_call(tmp_path):
+def test_the_type_checker_reports_exactly_the_wrong_calls(tmp_path):
     pytest.importorskip("mypy", reason="mypy is not installed: it is in the dev extras "
                                        "(pip install -e '.[dev]')")
     script = tmp_path / "user.py"
@@ -106,9 +110,13 @@ def test_the_type_checker_reports_exactly_the_wrong_call(tmp_path):
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     shutil.rmtree(tmp_path / "cache", ignore_errors=True)
     errors = [line for line in done.stdout.splitlines() if ": error:" in line]
-    wrong = 1 + textwrap.dedent(USER_SCRIPT).splitlines().index(
-        "    await svc.generate.fanout(3)  # wrong")
-    assert len(errors) == 1, done.stdout + done.stderr
+    lines = textwrap.dedent(USER_SCRIPT).splitlines()
+    wrong = 1 + lines.index("    await svc.generate.fanout(3)  # wrong")
+    session = 1 + lines.index("    await svc.generate.route(\"hi\", session=\"s\")  # wrong: a "
+                              "session is a block")
+    assert len(errors) == 2, done.stdout + done.stderr
     assert re.search(rf"user\.py:{wrong}: error: Argument 1 to \"fanout\" of "
                      r"\"ServiceEndpoint\" has incompatible type \"int\"; expected \"str\"",
                      errors[0]), errors
+    assert re.search(rf"user\.py:{session}: error: Unexpected keyword argument \"session\" "
+                     r"for \"route\"", errors[1]), errors
