@@ -5,10 +5,11 @@ them by a staged handoff through the arbiters: its weights wake while the traine
 its weights, it copies them in place, the trainer sleeps, then its caches wake. So the
 peak is the two weight sets, never trainer + generator + cache. A replica on other procs
 of the same host loads them from shared memory, exported once by the trainer's rank 0 (its
-other ranks take part in the gathers of a sharded trainer), and is woken for the load (one
+other ranks take part in the gathers of a sharded trainer), with only the stages its load
+endpoint needs woken for it (`colocate.needs`: a generator's weights, not its cache; one
 respawned on new procs for the trainer's slots shares the slots, not the processes: the
-trainer sleeps there once its export is written); a replica on another host
-reads them from the trainer's rank 0 over Monarch RDMA buffers. From an FSDP trainer the
+trainer sleeps there once its export is written); a replica on another host reads them
+from the trainer's rank 0 over Monarch RDMA buffers, woken likewise. From an FSDP trainer the
 colocated handoffs must cover every trainer proc, since each bucket is gathered by all
 its ranks at once (the RL loop's shape: one generator replica per trainer proc); a sync
 that would leave some out (the left-out ranks would never join the gathers, and the
@@ -68,10 +69,11 @@ def _way(replica: Replica, source_host: int) -> str:
 
 
 async def _wake_and_load(rm: ResourceManager, replica: Replica, load: str,
-                         offered: Any) -> Any:
-    """Wake `replica` (where it shares the trainer's slots from other processes, the
-    trainer sleeps there: its weights were exported already), then have it load them."""
-    await rm.wake(replica.tenant)
+                         stages: tuple[str, ...] | None, offered: Any) -> Any:
+    """Wake the `stages` of `replica` that its `load` endpoint needs (None: every stage;
+    where it shares the trainer's slots from other processes, the trainer sleeps there: its
+    weights were exported already), then have it load them."""
+    await rm.wake_for(replica.tenant, stages)
     return await getattr(replica.actors, load).call(offered)
 
 
@@ -136,8 +138,9 @@ async def sync_weights(trainer: Service, generator: Service,
             continue
         async with remote_errors():  # every rank takes part (FSDP gathers); rank 0 answers
             offered = await source.call(offer, (), {})
-        loads = await asyncio.gather(*(_wake_and_load(rm, r, load, offered) for r in readers),
-                                     return_exceptions=True)
+        stages = generator.needs.get(load)  # what its load endpoint declares
+        loads = await asyncio.gather(*(_wake_and_load(rm, r, load, stages, offered)
+                                       for r in readers), return_exceptions=True)
         for replica, loaded in zip(readers, loads, strict=True):
             if not isinstance(loaded, BaseException):
                 getattr(report, way)[replica.tenant] = sum(v for _, v in loaded.items())

@@ -7,8 +7,9 @@ import os
 import signal
 
 import pytest
+from monarch.actor import endpoint
 
-from colocate import phase
+from colocate import needs, phase
 from colocate.arbiter import TenantLostError
 from colocate.resources.groups import Allocation
 from colocate.resources.packing import ResourceRequest
@@ -20,6 +21,7 @@ from services import (
     ServiceConfig,
     ServiceConfigError,
     spawn_service,
+    sync_weights,
 )
 from services.replica import Replica, ReplicaState, ReplicaStateError, tenant_name
 from services.waiting import Changes
@@ -374,3 +376,39 @@ async def test_names_like_generations_or_ids_respawn_as_themselves():
                 assert svc.replicas[0].tenant == f"{svc.name}_r0_g{generation}"
         assert rm.awake_tenants() == sorted(f"{name}_r0_g2" for name in names)
 
+
+class Exporter(MemoryTenant):
+    """A trainer that exports a token for weights."""
+
+    @endpoint
+    @needs("weights")
+    def export_weights(self) -> str:
+        return "exported"
+
+
+class Loader(MemoryTenant):
+    """A generator whose load needs only its weights awake."""
+
+    @endpoint
+    @needs("weights")
+    def load_exported(self, manifest: str) -> int:
+        self.tenancy.ensure_stage("weights")
+        return len(manifest)
+
+
+@pytest.mark.usefixtures("procs_import_tests")
+async def test_a_weight_load_wakes_only_the_stages_it_needs():
+    """A generator asleep beside another tenant, synced through shared memory: the sync
+    wakes the stages its `load_exported` declares (weights), and its cache sleeps on."""
+    async with start_runtime(gpus_per_host=2) as rm:
+        trainer = await spawn_service(ServiceConfig(resource_group="train"), Exporter, 1,
+                                      name="trainer")
+        generator = await spawn_service(ServiceConfig(resource_group="gen"), Loader, 1,
+                                        name="generator")
+        await rm.spawn("other", MemoryTenant, await rm.allocate(ResourceRequest("gen"), "other"),
+                       1)
+        await rm.wake("other")  # the generator sleeps
+        report = await sync_weights(trainer, generator)
+        assert report.shared_memory == {"generator_r0": len("exported")}
+        host, slot = generator.replicas[0].allocation.slots[0]
+        assert (await rm.status())[host][slot]["generator_r0"] == ["weights"]
