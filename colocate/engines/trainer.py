@@ -161,6 +161,8 @@ class PolicyTrainer:
         world size and parallel: DCP reshards); call it on every rank. Raises a
         `CheckpointError` and leaves the trainer as it was when `path` cannot be used."""
         self.checkpoints.load(self, path)
+        if self.optimizer.state:  # its AdamW state came with it, under a stage of its own
+            self.tenancy.working_bytes = 0
 
     def weights(self) -> WeightStream:
         """The full weights by Hugging Face name, in buckets of at most `bucket_mb` (or one
