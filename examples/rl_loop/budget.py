@@ -38,7 +38,6 @@ STAGES = {
     "generator": {"weights": (1, False)},
     "reference": {"weights": (1, True)},
 }
-GENERATOR_BATCH = 64  # the generator's max_batch (GeneratorActor's default)
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ def tenant_sizes(cfg: RLConfig, model_dir: Path) -> dict[str, Size]:
     sizes = {t: {s: (units * weights, kept) for s, (units, kept) in STAGES[t].items()}
              for t in tenants}
     sizes["trainer"]["optimizer"] = (2 * weights + 4 * len(params), True)
-    working = {"generator": working_bytes(config.to_dict(), GENERATOR_BATCH,
+    working = {"generator": working_bytes(config.to_dict(), cfg.generator.max_batch,
                                           config.max_position_embeddings)}
     return {t: Size(stages, working.get(t, 0)) for t, stages in sizes.items()}
 

@@ -96,8 +96,11 @@ class GeneratorConfig:
     data-parallel copies. (The torch generator runs one replica per slot.)"""
 
     tensor_parallel_size: int = 1  # vLLM: ranks per model copy; it divides run.slots
+    max_batch: int = 64  # rows a replica decodes together (torch) or at most (vLLM)
 
     def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"generator.max_batch={self.max_batch}: must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"generator.tensor_parallel_size={self.tensor_parallel_size}: "
                              "must be >= 1")

@@ -95,7 +95,8 @@ class Loop(Runtime, Saves):
                        else len(self.encode("0" * cfg.task.max_digits + ">")))
             check_room(longest, self.source.max_new_tokens, cfg.rollout.max_tokens_per_step,
                        self.model_dir)
-            self.pool = Pool(cfg.rollout, cfg.grpo.group_size, self.source.max_new_tokens)
+            self.pool = Pool(cfg.rollout, cfg.grpo.group_size, self.source.max_new_tokens,
+                             cfg.generator.max_batch)
 
     def _refused(self, err: Exception) -> None:
         """A run refused at its start (a bad data file, column, reward function...) still
@@ -160,7 +161,8 @@ class Loop(Runtime, Saves):
                                                           cfg.grpo.group_size)
                 lengths = [len(c.tokens) for c in completions]
                 rollout = {"finished_samples": len(completions),
-                           "gen_idle_share": 1 - sum(lengths) / max(1, decode_slots(lengths))}
+                           "gen_idle_share": 1 - sum(lengths) / max(1, decode_slots(
+                               lengths, cfg.generator.max_batch))}
             else:  # partial: a token budget, the unfinished samples carried over
                 self.pool.add(prompts, index)
                 groups, rollout = await generate_step(self.pool, self.generate_ids, sampling)

@@ -37,7 +37,6 @@ from examples.rl_loop.data import Row
 
 MODES = ("sync", "partial")
 ON_STALE = ("finish", "drop")
-GENERATOR_BATCH = 64  # GeneratorActor's max_batch: rows decoded together, for the idle share
 
 
 @dataclass(frozen=True)
@@ -114,8 +113,10 @@ class Pool:
     """The carried groups of a partial run, oldest first, and the policy version (training
     steps done)."""
 
-    def __init__(self, cfg: RolloutConfig, group_size: int, max_new_tokens: int) -> None:
+    def __init__(self, cfg: RolloutConfig, group_size: int, max_new_tokens: int,
+                 max_batch: int = 64) -> None:
         self.cfg, self.group_size, self.max_new_tokens = cfg, group_size, max_new_tokens
+        self.max_batch = max_batch  # the generator's: rows decoded together
         self.groups: list[Group] = []
         self.version = 0
 
@@ -147,7 +148,8 @@ class Pool:
             sample.stopped = new.stopped and cut == len(new.tokens)
             sample.finished = sample.stopped or len(sample.tokens) >= self.max_new_tokens
             kept += cut
-        return {"tokens": kept, "slots": decode_slots([len(c.tokens) for c in completions])}
+        return {"tokens": kept, "slots": decode_slots([len(c.tokens) for c in completions],
+                                                        self.max_batch)}
 
     def overdue(self) -> list[Group]:
         """Unfinished groups that the next step's tokens would make span more than
@@ -186,12 +188,11 @@ class Pool:
                        for g in state["groups"]]
 
 
-def decode_slots(lengths: list[int]) -> int:
-    """Row-steps a generate call decoded: each batch of GENERATOR_BATCH rows runs until its
-    longest row ends (the idle share is 1 - tokens / slots)."""
+def decode_slots(lengths: list[int], max_batch: int) -> int:
+    """Row-steps a generate call decoded: each batch of `max_batch` rows (the torch
+    generator's) runs until its longest row ends (the idle share is 1 - tokens / slots)."""
     return sum(len(chunk) * max(chunk, default=0)
-               for chunk in (lengths[i:i + GENERATOR_BATCH]
-                             for i in range(0, len(lengths), GENERATOR_BATCH)))
+               for chunk in (lengths[i:i + max_batch] for i in range(0, len(lengths), max_batch)))
 
 
 def staleness(groups: list[Group], version: int) -> dict[str, Any]:

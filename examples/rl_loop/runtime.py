@@ -118,7 +118,8 @@ class Runtime:
         ranks, called SPMD), the node-scale hybrid engine. Beside the trainer it takes the
         trainer's restart policy (one per group); on slots of its own, a lost replica is
         respawned alone and given the weights (`_resync`)."""
-        run, options = self.cfg.run, {"engine": self.cfg.run.engine}
+        run, options = self.cfg.run, {"engine": self.cfg.run.engine,
+                                      "max_batch": self.cfg.generator.max_batch}
         shared = run.colocate and restart.get("restart") == "group"
         shape = {"resource_group": group, **(restart if shared else {})}
         if run.engine == "torch":
