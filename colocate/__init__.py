@@ -30,6 +30,7 @@ _EXPORTS = {
     "ArbiterConfig": "colocate.arbiter.config",
     "remote_errors": "colocate.arbiter.actor",
     "SpawnError": "colocate.resources.spawning",
+    "bounded": "colocate.calls",
     "needs": "colocate.calls",
     "preemptible": "colocate.calls",
 }

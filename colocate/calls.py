@@ -10,6 +10,10 @@ whether a switch may stop it early.
         def generate(self, prompts): ...
 
         @endpoint
+        @bounded(600)
+        def train(self, batch): ...            # a call past 600 s: its replica is hung
+
+        @endpoint
         def describe_model(self): ...          # undeclared: needs every stage
 
 The service layer routes a call only to a replica whose needed stages are awake, and
@@ -35,10 +39,12 @@ _ATTRIBUTE = "__colocate_call__"
 @dataclass(frozen=True)
 class CallSpec:
     """An endpoint's declaration: `stages` it needs awake (None: every stage of the
-    tenant) and whether a switch may preempt it."""
+    tenant), whether a switch may preempt it, and how long a call of it may take before its
+    replica counts as hung (None: the service's `call_timeout_s`)."""
 
     stages: tuple[str, ...] | None = None
     preemptible: bool = False
+    timeout_s: float | None = None
 
 
 def _declare(fn: F, **fields: Any) -> F:
@@ -58,6 +64,14 @@ def preemptible(fn: F) -> F:
     """Declare that a switch may ask an endpoint's calls to return early with what they
     have (put it under `@endpoint`)."""
     return _declare(fn, preemptible=True)
+
+
+def bounded(seconds: float) -> Callable[[F], F]:
+    """Declare how long an endpoint's call may take (put it under `@endpoint`): one that
+    does not answer by then counts as a hung replica (see `ServiceConfig.call_timeout_s`)."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
+        raise ValueError(f"bounded({seconds!r}): give a number of seconds > 0")
+    return lambda fn: _declare(fn, timeout_s=float(seconds))
 
 
 def call_spec(actor_class: type, endpoint: str) -> CallSpec:

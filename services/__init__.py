@@ -8,6 +8,7 @@
 from services.config import ServiceConfig, ServiceConfigError
 from services.endpoint import ServiceEndpoint
 from services.errors import (
+    ReplicaHungError,
     ReplicaLostError,
     ServiceAsleepError,
     ServiceClosedError,
@@ -21,8 +22,8 @@ from services.spawn import spawn_service
 from services.weight_sync import SyncReport, sync_weights
 
 __all__ = [
-    "GroupRestarts", "ReplicaLostError", "RestartEvent", "Service", "ServiceAsleepError",
-    "ServiceClosedError", "ServiceConfig", "ServiceConfigError", "ServiceEndpoint", "ServiceError",
-    "ServiceUnavailableError", "SyncReport", "WeightSyncError", "group_restarts",
-    "spawn_service", "sync_weights",
+    "GroupRestarts", "ReplicaHungError", "ReplicaLostError", "RestartEvent", "Service",
+    "ServiceAsleepError", "ServiceClosedError", "ServiceConfig", "ServiceConfigError",
+    "ServiceEndpoint", "ServiceError", "ServiceUnavailableError", "SyncReport",
+    "WeightSyncError", "group_restarts", "spawn_service", "sync_weights",
 ]

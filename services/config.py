@@ -46,6 +46,9 @@ class ServiceConfig:
     when_asleep: str = "wait"
     wait_timeout_s: float = 60.0
     # health
+    # a routed call's bound: past it, its replica counts as hung (its procs are killed and
+    # it comes back as after a crash); an endpoint may declare its own (`colocate.bounded`)
+    call_timeout_s: float = 900.0
     max_retries: int = 2
     respawn: bool = True
     restart: str = "replica"  # "replica" | "group": what is respawned after a failure
@@ -75,7 +78,8 @@ class ServiceConfig:
             check_choice("when_asleep", self.when_asleep, WHEN_ASLEEP),
             check_choice("restart", self.restart, RESTARTS),
             *(check_number(name, getattr(self, name), above=0) for name in (
-                "wait_timeout_s", "scale_cooldown_s", "scale_up_queue_depth")),
+                "wait_timeout_s", "call_timeout_s", "scale_cooldown_s",
+                "scale_up_queue_depth")),
             check_number("scale_down_utilization", self.scale_down_utilization, at_least=0,
                          below=1),
         )

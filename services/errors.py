@@ -23,5 +23,11 @@ class ReplicaLostError(ServiceError):
     fanout raises it to its caller."""
 
 
+class ReplicaHungError(ReplicaLostError):
+    """A call did not answer within its bound (`ServiceConfig.call_timeout_s`, or the
+    endpoint's `colocate.bounded`): its replica counts as hung, its procs were killed, and
+    it comes back as after a crash (respawn or group restart)."""
+
+
 class WeightSyncError(ServiceError):
     """A weight sync that cannot work as asked; refused before anything was switched."""

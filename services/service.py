@@ -45,7 +45,7 @@ from services.autoscaler import Autoscaler, LoadSnapshot, ReplicaLoad
 from services.config import ServiceConfig
 from services.distributed import setup_distributed
 from services.endpoint import ServiceEndpoint, endpoint_error
-from services.errors import ServiceClosedError, ServiceUnavailableError
+from services.errors import ReplicaHungError, ServiceClosedError, ServiceUnavailableError
 from services.picking import Picking
 from services.replica import Replica, ReplicaState, ReplicaStateError, tenant_name
 from services.restart import GroupRestarts
@@ -71,6 +71,7 @@ class Service(Picking, Generic[A]):
         self.router = make_router(config.router)  # sessions stick there
         self.endpoints = endpoint_names(actor_class)
         self.needs = {e: call_spec(actor_class, e).stages for e in self.endpoints}  # its stages
+        self.bounds = {e: call_spec(actor_class, e).timeout_s for e in self.endpoints}
         self.closed = False
         self.waiting = 0  # calls waiting for a replica
         self._changes = Changes()  # switches, finished calls, replica states, closing
@@ -118,7 +119,7 @@ class Service(Picking, Generic[A]):
         while True:
             replica = await self._pick(session, failed, self.needs[endpoint])
             try:
-                return await replica.call(endpoint, args, kwargs)
+                return await self._call(replica, endpoint, args, kwargs)
             except ServiceClosedError:
                 raise
             except ActorError as err:
@@ -154,7 +155,21 @@ class Service(Picking, Generic[A]):
         if not replicas:
             picked = await self._pick(None, set(), stages)
             replicas = self._routable(self._ready(set()), stages) or [picked]
-        return list(await asyncio.gather(*(r.call(endpoint, args, kwargs) for r in replicas)))
+        return list(await asyncio.gather(*(self._call(r, endpoint, args, kwargs)
+                                           for r in replicas)))
+
+    async def _call(self, replica: Replica, endpoint: str, args: tuple, kwargs: dict) -> Any:
+        """`replica.call`, bounded (the endpoint's `colocate.bounded`, or `call_timeout_s`):
+        past the bound the replica counts as hung and its procs are killed."""
+        bound = self.bounds[endpoint] or self.config.call_timeout_s
+        try:
+            return await asyncio.wait_for(replica.call(endpoint, args, kwargs), bound)
+        except TimeoutError:
+            await self.rm.kill_procs(replica.allocation)
+            raise ReplicaHungError(
+                f"service {self.name!r} replica {replica.index} ({replica.tenant}) did not "
+                f"answer {endpoint} within {bound} s (call_timeout_s): it counts as hung, its "
+                "procs were killed, and it comes back as after a crash") from None
 
     def lose(self, replica: Replica, err: BaseException) -> bool:
         """For callers that reach a replica's actors directly: True when `err` says the

@@ -47,3 +47,20 @@ def test_bad_declarations_are_refused_with_the_cause() -> None:
         needs("weights", 3)  # type: ignore[arg-type]
     with pytest.raises(AttributeError, match="no endpoint 'nothing'"):
         call_spec(Declared, "nothing")
+
+
+def test_a_bound_is_declared_per_endpoint_and_checked():
+    from colocate import bounded
+
+    class Slow(TenantActor):
+        @endpoint
+        @bounded(2)
+        @needs("state")
+        def train(self) -> None:
+            return None
+
+    assert call_spec(Slow, "train") == CallSpec(("state",), False, 2.0)
+    assert call_spec(Declared, "generate").timeout_s is None  # the service's bound
+    for bad in (0, -1, "5", True):
+        with pytest.raises(ValueError, match="seconds > 0"):
+            bounded(bad)  # type: ignore[arg-type]

@@ -3,6 +3,9 @@ and `ActorTenantHandle`, how it reaches one tenant actor on one proc."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +126,14 @@ class Arbiter(Actor):
     async def traffic(self) -> dict[int, SlotTraffic]:
         """Per slot: what its switches moved so far."""
         return self.core.traffic()
+
+    @concurrent_endpoint
+    async def kill(self, pids: list[int]) -> None:
+        """SIGKILL this host's procs `pids` (a hung replica's: SIGKILL ends a stopped one
+        too); its pid watch then finds them dead."""
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     @concurrent_endpoint
     async def find_lost(self, names: list[str]) -> dict[str, str]:

@@ -270,6 +270,11 @@ class ResourceManager:
                 return
         await self.wake(name, None if stages is None else list(stages), preempt)
 
+    async def kill_procs(self, allocation: Allocation) -> None:
+        """SIGKILL an allocation's procs (a hung replica's); the proc watch reports them."""
+        await self.switchboard.kill([(host, pid) for (host, _), pid in
+                                     zip(allocation.slots, allocation.pids, strict=True)])
+
     async def make_room(self, name: str, asked_bytes: int) -> None:
         """After a call of `name` ran out of memory asking `asked_bytes`, make that room
         (`SlotArbiter.make_room`)."""

@@ -331,6 +331,14 @@ class Switchboard:
         return sorted(name for name, up in self.awake.items()
                       if up and up.issuperset(self.stages.get(name, ())))
 
+    async def kill(self, procs: list[tuple[int, int]]) -> None:
+        """SIGKILL `procs` ((host, pid) pairs), each by its host's arbiter."""
+        by_host: dict[int, list[int]] = {}
+        for host, pid in procs:
+            by_host.setdefault(host, []).append(pid)
+        await asyncio.gather(*(self.arbiter(h).kill.call_one(pids)
+                               for h, pids in by_host.items()))
+
     async def status(self) -> dict[int, HostStatus]:
         """host -> slot -> tenant -> awake stages ([] asleep, None unknown)."""
         return await self._each_host("status")
