@@ -267,8 +267,7 @@ class SlotArbiter:
             await self._attempt(slot, log, [*room.sleep_steps(slot, chosen), *wake])
 
         async def measured(log: UndoLog) -> None:  # each sleep changes the free memory
-            await self._make_room(slot, log, name, wanted, todo)
-            await self._attempt(slot, log, wake)
+            await self._make_room(slot, log, name, wanted, todo, then=wake)
             self._note_peak(slot, name)
 
         await self._request(slot, measured if self.policy.measures else exclusive,
@@ -276,8 +275,7 @@ class SlotArbiter:
         self._check(slot)
 
     async def _describe_all(self, slot: Slot) -> None:
-        """Ask every live tenant of `slot` for its account: stage sizes change as tenants
-        allocate (a trainer's optimizer state appears at its first step)."""
+        """Ask every live tenant of `slot` for its account (sizes grow as tenants work)."""
         live = [n for n in slot.tenants if n not in slot.lost]
         infos = await asyncio.gather(*(self._call(f"{n}.describe", slot.tenants[n].describe(),
                                                   slot, n) for n in live))
@@ -285,13 +283,14 @@ class SlotArbiter:
 
     async def _make_room(self, slot: Slot, log: UndoLog, name: str, wanted: Sequence[str],
                          todo: Sequence[str], protect: Sequence[tuple[str, str]] = (),
-                         working: bool = True) -> None:
+                         working: bool = True, then: Sequence[Step] = ()) -> PlanResult:
         """Sleep what the policy chooses until waking `todo` of `name` fits (with
-        `working`: then holding the slot for its calls, with its working memory); each
-        round of sleeps is verified and the free memory measured again. Raises
-        `SwitchError` when nothing more may sleep and it still does not fit. The tenants'
-        sizes are asked first, unless those known fit with every tenant's declared working
-        memory to spare (what they may have grown by since: `room.growth_bound`)."""
+        `working`: then holding the slot for its calls, with its working memory), then
+        carry out `then` (its answer is returned); each round of sleeps is verified and the
+        free memory measured again (on a CPU slot, whose count is exact, the last round
+        and `then` go as one plan). Raises `SwitchError` when nothing more may sleep and it
+        still does not fit. The tenants' sizes are asked first, unless those known fit with
+        every tenant's declared working memory to spare (`room.growth_bound`)."""
         if not self.policy.has_room(
                 room.needed_bytes(slot, name, todo, working) + room.growth_bound(slot),
                 self._free(slot)):
@@ -301,19 +300,23 @@ class SlotArbiter:
             free = self._free(slot)
             if self.policy.has_room(needed, free):
                 slot.holder = name if working else slot.holder
-                return
+                return await self._attempt(slot, log, list(then))
             chosen = self.policy.to_sleep(name, room.residents(slot, name, wanted, protect),
                                           needed, free)
             if not chosen:
                 break
-            await self._attempt(slot, log, room.sleep_steps(slot, chosen))
+            sleeps = room.sleep_steps(slot, chosen)
+            if slot.infos[name].device == "cpu" and self.policy.has_room(
+                    needed, free + sum(r.nbytes for r in chosen)):
+                slot.holder = name if working else slot.holder
+                return await self._attempt(slot, log, [*sleeps, *then])
+            await self._attempt(slot, log, sleeps)
         raise SwitchError(f"{name} cannot wake on slot {slot.index}: it needs {needed} bytes "
                           f"(its stages {list(todo)} and working memory) but only "
                           f"{self._free(slot)} are free after the policy's sleeps: "
                           f"{slot.who()}")
 
-    def _note_peak(self, slot: Slot, holder: str) -> None:
-        """Record what the slot holds right after a switch that `holder` now holds."""
+    def _note_peak(self, slot: Slot, holder: str) -> None:  # after a switch to `holder`
         t = slot.traffic
         slot.traffic = SlotTraffic(t.moved, t.slept,
                                    max(t.peak_bytes, room.used_bytes(slot, holder)))
@@ -347,19 +350,16 @@ class SlotArbiter:
             source's kept ones, it copies, then room is made for its other stages and its
             working memory, the source's stages cheapest first (the source stays when it
             fits)."""
-            stages = slot.infos[target].stages
+            stages, device = slot.infos[target].stages, slot.infos[target].device
             asleep = [s for s in first if s not in slot.awake.get(target, ())]
-            await self._make_room(slot, log, target, first, asleep,
-                                  protect=[(source, s) for s in keep], working=False)
-            wake = [Step(WAKE, target, tuple(asleep), device=steps[-1].device)] if asleep \
-                else []
-            result = await self._attempt(slot, log, [*wake, Step(
-                RECEIVE, target, source=source, device=slot.infos[target].device)])
+            wake = [Step(WAKE, target, tuple(asleep), device=device)] if asleep else []
+            result = await self._make_room(
+                slot, log, target, first, asleep, protect=[(source, s) for s in keep],
+                working=False, then=[*wake, Step(RECEIVE, target, source=source, device=device)])
             rest = [s for s in stages if s not in slot.awake.get(target, ())]
-            await self._make_room(slot, log, target, stages, rest)
-            if rest:
-                await self._attempt(slot, log, [Step(WAKE, target, tuple(rest),
-                                                     device=slot.infos[target].device)])
+            await self._make_room(slot, log, target, stages, rest,
+                                  then=[Step(WAKE, target, tuple(rest), device=device)] if rest
+                                  else [])
             self._note_peak(slot, target)
             return result
 
