@@ -128,11 +128,19 @@ PY
       # init and lr of a model that size: the tiny model's (std 0.1, lr 1e-3) diverged
       # on an H200 (bench/RESULTS.md, "Second GPU session")
       rl=/tmp/rl_loop_cuda
+      big=(run.steps=8 run.eval_every=8 run.save_every=0 model.hidden_size=1536
+           model.layers=20 model.heads=12 model.kv_heads=2 model.intermediate_size=4096
+           model.init_std=0.02 grpo.lr=1e-5)
+      # the budget policy with the GPU's own memory (ample: nothing need move), then
+      # capped to the trainer alone (tests/gpu/slot_cap.py): bytes moved against required
       part "RL loop, ~0.5 B" 80 110 bench-rl-loop.log \
-        python3 -m examples.rl_loop run.steps=8 run.eval_every=8 run.save_every=0 \
-        model.hidden_size=1536 model.layers=20 model.heads=12 model.kv_heads=2 \
-        model.intermediate_size=4096 model.init_std=0.02 grpo.lr=1e-5 run.out="$rl"
+        python3 -m examples.rl_loop "${big[@]}" run.out="$rl"
       cp "$rl/metrics.json" "$out/rl-loop-metrics.json" 2>/dev/null || status=1
+      if cap=$(python3 tests/gpu/slot_cap.py "$rl/metrics.json" "${big[@]}" run.out="$rl"); then
+        part "RL loop, ~0.5 B, slot capped at $cap B" 80 110 bench-rl-loop-capped.log \
+          python3 -m examples.rl_loop "${big[@]}" run.out="$rl-capped" run.slot_memory="$cap"
+        cp "$rl-capped/metrics.json" "$out/rl-loop-capped-metrics.json" 2>/dev/null || status=1
+      fi
       # H100: the runtime 37.6 s, the arbiter's 49.6 / 48.6 s (before it compared on the
       # device); FSDP and the hybrid engine skip on one GPU without vLLM
       part "tests: the runtime and the arbiter" 100 150 gpu-tests-2.log \

@@ -7,8 +7,9 @@ with its outcome, then each benchmark's printed table.
 Reads OUT_DIR/gpu.txt (`nvidia-smi -L`: which kind of GPU each figure came from),
 OUT_DIR/budget.log (device.sh's line per part), OUT_DIR/gpu-tests*.xml (pytest's JUnit
 XML, one per part that ran tests), OUT_DIR/bench-*.log (what each benchmark printed) and
-OUT_DIR/rl-loop-metrics.json (the RL loop's run on the GPU: its switch share, step time
-and devices; also the share from the second step on, the first step's being apart); a
+OUT_DIR/rl-loop-metrics.json and rl-loop-capped-metrics.json (the RL loop's runs on the GPU,
+with the GPU's memory and capped: switch share, step time, devices, bytes moved against
+required; also the share from the second step on, the first step's being apart); a
 missing file is named in the summary, never skipped silently. `bench` (`device.sh
 bench`, benchmarks only) leaves out the tests and the RL loop.
 """
@@ -23,7 +24,10 @@ from pathlib import Path
 
 TAIL_LINES = 40  # of a benchmark's output: its table and verdicts
 RL_FIELDS = ("failed", "switch_share", "mean_step_s", "devices", "untrained_eval_reward",
-             "final_eval_reward")  # of the RL loop's summary, where it has them
+             "final_eval_reward", "policy", "slot_capacity_bytes", "bytes_moved_per_step",
+             "bytes_required_per_step", "slot_peak_bytes")  # of its summary, where it has them
+RL_RUNS = {"rl-loop-metrics.json": "RL loop on the GPU",  # the budget policy, ample
+           "rl-loop-capped-metrics.json": "RL loop on the GPU, slot capped"}
 
 
 def test_outcomes(xml: Path) -> dict[str, list[str]]:
@@ -74,8 +78,14 @@ def run_sections(out: Path) -> list[str]:
             lines += ["", f"## {outcome}", *(f"- {name}" for name in names)]
     else:
         lines.append("tests: no gpu-tests.xml (pytest did not get to write it)")
-    metrics = out / "rl-loop-metrics.json"
-    lines += ["", "## RL loop on the GPU"]
+    for name, title in RL_RUNS.items():
+        lines += rl_run(out / name, title)
+    return lines
+
+
+def rl_run(metrics: Path, title: str) -> list[str]:
+    """One RL-loop run's figures (see module)."""
+    lines = ["", f"## {title}"]
     if metrics.exists():
         run = json.loads(metrics.read_text())
         steps = [s for s in run.get("steps", []) if s.get("step", -1) >= 0]
