@@ -21,8 +21,10 @@ moment (the step drawn from the seed, a delay drawn into the phase it hits):
   so the run stops naming it, and `run.resume=auto` finishes the run;
 - `past-max-restarts`: a kill once the run's restarts are at `run.max_restarts`: the run
   stops naming the cause, and `run.resume=auto` finishes it;
-- `hang` (not in the default menu while the services have no bound on a routed call):
-  SIGSTOP of the slot proc; the bench's own bound then kills it.
+- `hang`: SIGSTOP of the slot proc while it generates; the run's routed calls bounded by
+  `CALL_BOUND_S` (the services' `call_timeout_s`, set small for that run): the call past
+  it counts as a hung proc, killed and restarted as after a crash (the bench's own bound,
+  `HANG_S` without a step, would kill it otherwise and say so).
 
 Per fault: kind, moment (step, phase), detection time (the runtime's, from the signal),
 time back to training (a step completed after it), steps redone, and how it ended:
@@ -36,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -46,6 +50,7 @@ import signal
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +68,13 @@ SHAPE_OF = {"kill-generator": "one-slot", "kill-during-save": "one-slot",
             "kill-reference": "reference", "kill-vllm-rank": "vllm"}
 MENU = ("kill-generator", "kill-trainer-rank", "kill-reference", "kill-vllm-rank",
         "kill-during-save", "kill-during-handoff", "kill-during-restart", "write-failure",
-        "past-max-restarts")
+        "past-max-restarts", "hang")
 PHASE_OF = {"kill-generator": "generate", "kill-vllm-rank": "generate", "hang": "generate",
             "kill-during-restart": "generate", "past-max-restarts": "generate",
             "kill-trainer-rank": "train", "kill-reference": "reference"}
 STOPS = ("write-failure", "past-max-restarts")  # faults that end the run by design
 HANG_S = 60.0  # the bench's bound on a run making no progress
+CALL_BOUND_S = 5.0  # the services' call_timeout_s in a run with a hang (SIGSTOP)
 MAX_RESTARTS = 1000  # the faulted runs' run.max_restarts (past-max-restarts lowers it)
 SHM = Path("/dev/shm")
 
@@ -331,8 +337,36 @@ def leftovers(before: set[str], pids: set[int]) -> dict[str, list]:
     return {"procs": alive, "shm": files}
 
 
+@contextlib.contextmanager
+def call_bound(seconds: float | None) -> Iterator[None]:
+    """The run's routed calls and the arbiters' calls to a proc bounded by `seconds` (the
+    services' `call_timeout_s`: a call past it counts as a hung proc, killed and restarted
+    as after a crash); the loop's own bounds when None."""
+    from examples.rl_loop import reference, runtime
+    from services import ServiceConfig
+
+    if seconds is None:
+        yield
+        return
+    real_arbiter = runtime.arbiter_config
+    runtime.ServiceConfig = reference.ServiceConfig = functools.partial(  # type: ignore
+        ServiceConfig, call_timeout_s=seconds)
+    runtime.arbiter_config = lambda *args, **kwargs: dataclasses.replace(
+        real_arbiter(*args, **kwargs), call_timeout_s=seconds)
+    try:
+        yield
+    finally:
+        runtime.ServiceConfig = reference.ServiceConfig = ServiceConfig
+        runtime.arbiter_config = real_arbiter
+
+
 async def run_once(cfg: Any, faults: list[Fault]) -> tuple[Any, BaseException | None]:
     """One run (a loop with `faults`); never waits past the bench's bound without progress."""
+    with call_bound(CALL_BOUND_S if any(f.kind == "hang" for f in faults) else None):
+        return await _run_once(cfg, faults)
+
+
+async def _run_once(cfg: Any, faults: list[Fault]) -> tuple[Any, BaseException | None]:
     loop = make_loop(cfg, faults)
     type(loop).active = loop
     task = asyncio.ensure_future(loop.run())
@@ -422,7 +456,15 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for shape, faults in plan(args).items():
             began = time.monotonic()
-            plain = await plain_run(shape, args, tmp)
+            try:
+                plain = await plain_run(shape, args, tmp)
+            except RuntimeError as err:  # its faults are not injected: said, not hidden
+                print(f"{shape}: {err}")
+                results["runs"].append({"shape": shape, "error": str(err)[:500],
+                                        "equal_to_unfaulted": False, "stops": [],
+                                        "leftovers": {"procs": [], "shm": []}})
+                results["faults"] += [f.record() for f in faults]
+                continue
             print(f"{shape}: unfaulted run {time.monotonic() - began:.1f} s; faults: "
                   + ", ".join(f"{f.kind}@{f.step}" for f in faults))
             began = time.monotonic()
@@ -497,7 +539,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", nargs="+", default=list(MENU),
-                        choices=[*MENU, "hang"])
+                        choices=MENU)
     parser.add_argument("--slot-memory", default="64MiB",
                         help="run.slot_memory of every run (auto: see bench/RESULTS.md: a "
                         "run resumed from a checkpoint on one slot cannot wake its trainer)")

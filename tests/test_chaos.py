@@ -18,7 +18,8 @@ def test_the_plan_spreads_the_kinds_and_is_seeded():
     args = chaos.parse(["--faults", "9", "--steps", "40", "--seed", "3"])
     first, again = chaos.plan(args), chaos.plan(args)
     kinds = sorted(f.kind for faults in first.values() for f in faults)
-    assert kinds == sorted(chaos.MENU)  # 9 faults: each kind of the menu once
+    assert kinds == sorted(chaos.MENU[:9])  # 9 faults: each kind of the menu once, the
+    # first 9 (the kinds are taken in the menu's order, then shuffled)
     assert [(f.kind, f.step) for fs in first.values() for f in fs] == \
         [(f.kind, f.step) for fs in again.values() for f in fs]
     for shape, faults in first.items():
@@ -42,18 +43,20 @@ def test_leftovers_are_the_run_procs_files_and_live_children(tmp_path):
 
 async def test_faults_of_several_kinds_are_survived_with_the_same_metrics(tmp_path):
     """16 steps, a checkpoint every 4: on one slot, its proc killed while generating,
-    during the weight handoff and during a checkpoint's background write; on two slots
-    (DDP), one trainer rank's proc killed during the train step."""
+    during the weight handoff and during a checkpoint's background write, and stopped
+    (SIGSTOP: a hang, found by the services' call bound); on two slots (DDP), one trainer
+    rank's proc killed during the train step."""
     out = tmp_path / "chaos.json"
-    kinds = ["kill-generator", "kill-during-handoff", "kill-during-save", "kill-trainer-rank"]
-    args = chaos.parse(["--faults", "4", "--steps", "16", "--save-every", "4", "--seed", "1",
+    kinds = ["kill-generator", "kill-during-handoff", "kill-during-save", "hang",
+             "kill-trainer-rank"]
+    args = chaos.parse(["--faults", "5", "--steps", "16", "--save-every", "4", "--seed", "1",
                         "--kinds", *kinds, "--out", str(out)])
     found = await chaos.main(args)
-    assert json.loads(out.read_text())["injected"] == 4
-    assert found["survived"] == found["injected"] == 4, found["faults"]
+    assert json.loads(out.read_text())["injected"] == 5
+    assert found["survived"] == found["injected"] == 5, found["faults"]
     assert found["equal_to_unfaulted"], found["runs"]
     assert found["leftovers"] == 0, found["runs"]
     for fault in found["faults"]:
-        assert fault["outcome"] == "went on" and fault["detect_s"] < 5
+        assert fault["outcome"] == "went on" and fault["detect_s"] < chaos.CALL_BOUND_S + 2
         assert 0 < fault["back_s"] and fault["steps_redone"] <= 4
     assert sorted(f["kind"] for f in found["faults"]) == sorted(kinds)
