@@ -31,7 +31,7 @@ from tqdm import tqdm
 from colocate import phase
 from colocate.engines.models import load_tokenizer
 from colocate.engines.sampling import SamplingParams
-from examples.rl_loop.budget import StepTraffic, budget_summary
+from examples.rl_loop.budget import budget_summary
 from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.data import Row
 from examples.rl_loop.memory import ProcPeaks, devices_of, resident_per_proc
@@ -266,8 +266,6 @@ class Loop(Runtime, Saves):
     async def _train(self, first_step: int) -> None:
         """Steps `first_step` to run.steps - 1 (from 0: after the untrained evaluation)."""
         await self._readings("start")
-        self.moves = StepTraffic(self.rm)
-        await self.moves.since_last(self.services())  # the start's own are not a step's
         if first_step == 0:
             async with phase(self.generator):
                 untrained = await self.evaluate("the untrained evaluation")

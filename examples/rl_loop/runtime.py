@@ -22,7 +22,7 @@ from colocate.engines.actors import GeneratorActor, TrainerActor
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
 from examples.rl_loop import task
-from examples.rl_loop.budget import arbiter_config
+from examples.rl_loop.budget import StepTraffic, arbiter_config
 from examples.rl_loop.config import RLConfig
 from examples.rl_loop.data import Row
 from examples.rl_loop.recovery import Recovery
@@ -102,6 +102,8 @@ class Runtime:
         if self.cfg.grpo.beta > 0:
             self.reference = await spawn_reference(self.cfg, path, groups[0], restart)
         await self.load(checkpoint)
+        self.moves = StepTraffic(self.rm)  # what each step's switches move, from here on
+        await self.moves.since_last(self.services())
 
     async def load(self, checkpoint: Path | None) -> None:
         """The trainer loads `checkpoint` (None: it keeps the weights it has), then the
