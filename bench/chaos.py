@@ -174,8 +174,9 @@ def make_loop(cfg: Any, faults: list[Fault]) -> Any:
                 self.pending.remove(fault)
             fault.fired_at, fault.at_step, fault.pid = time.time(), self.index, pid
             fault.phase = phase or self.phase_now
-            fault.restarts_before = len(self.record.restarts)
-            self.fired.append(fault)
+            if fault not in self.fired:  # kill-during-restart fires twice
+                fault.restarts_before = len(self.record.restarts)
+                self.fired.append(fault)
             if sig == signal.SIGSTOP:
                 self.stopped.append(pid)
             kill(pid, sig)
@@ -227,9 +228,8 @@ def make_loop(cfg: Any, faults: list[Fault]) -> Any:
                     self.cfg = dataclasses.replace(self.cfg, run=dataclasses.replace(
                         self.cfg.run, max_restarts=len(self.record.restarts)))
                 if fault.kind == "kill-during-restart":  # the first kill; the second armed
-                    self.pending.remove(fault)
+                    self.fire(fault, pid, phase="generate (the first kill)")
                     self.armed = fault
-                    kill(pid)
                 else:
                     self.later(fault, pid, signal.SIGSTOP if fault.kind == "hang"
                                else signal.SIGKILL)
@@ -323,13 +323,15 @@ def shm_files() -> set[str]:
 def leftovers(before: set[str], pids: set[int]) -> dict[str, list]:
     """The bench's child procs still alive (after a grace), and the new /dev/shm files a
     proc of the run made: named with its pid, or in its shared-memory record."""
-    from colocate.resources.shm_files import recorded
+    from colocate.shm_files import recorded
 
     deadline = time.monotonic() + 5
     while (procs := psutil.Process().children(recursive=True)) and \
             time.monotonic() < deadline:
         time.sleep(0.2)
     alive = [f"{p.pid} {p.name()} ({p.status()})" for p in procs if p.is_running()]
+    for proc in procs:  # counted, then ended: the next run starts clean
+        kill(proc.pid)
     theirs = {str(path) for pid in pids for path in recorded(pid)}
     pid_names = re.compile(r"(?<!\d)(" + "|".join(str(p) for p in sorted(pids)) + r")(?!\d)")
     files = sorted(f for f in shm_files() - before

@@ -6,10 +6,12 @@
     async with phase("generator"):
         ...
 
-Layers: `memory` (tagged pause/resume per process), `telemetry` (readings, timeline),
-`arbiter` (per-host time-sharing of slots), `resources` (hosts, groups, the manager),
-`phases` (the switch as a block: `phase`), `calls` (what an endpoint needs: `needs`,
-`preemptible`), `testing` (fixtures for your own integration tests).
+Layers, top down (docs/architecture.md; tests/test_layers.py checks them): `phases` (the
+switch as a block: `phase`) and `testing` (fixtures for your own integration tests);
+`engines` (trainer, generators, weight sync) beside `resources` (hosts, groups, the
+manager); `arbiter` (per-host time-sharing of slots); `memory` (tagged pause/resume per
+process) and `shm_files`; `telemetry` (readings, timeline). Under all: `calls` (what an
+endpoint declares: `needs`, `preemptible`, `bounded`), `checks`, `monarch_compat`.
 Importing this package stays light: Monarch loads with `init` and `phase`.
 
 `remote_errors()` makes the runtime's own errors catchable by their type around a direct

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from colocate import memory, telemetry
+from colocate import memory, shm_files, telemetry
 from colocate.arbiter import SlotArbiter, SwitchError
 from colocate.arbiter.local import LocalTenantHandle
 from colocate.engines.generator import TorchGenerator, WeightsDiscardedError
@@ -33,7 +33,6 @@ from colocate.engines.weights import (
     export_weights,
     read_exported,
 )
-from colocate.resources import shm_files
 
 TEXTS = ("12+34=", "7>", "905+1=", "3")
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=(2,))  # 2: eos

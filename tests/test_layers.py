@@ -108,3 +108,43 @@ def test_imports_point_down_the_layers():
 
 def test_no_modules_import_each_other_even_for_type_hints():
     assert cycles(graph(HINTED, hints=True)) == []
+
+
+# Inside colocate/, top to bottom as docs/architecture.md states it: a module imports only
+# from its own part, from parts below it, or from the shared base (below every part).
+COLOCATE_LAYERS = (
+    ("colocate.phases", "colocate.testing"),
+    ("colocate.engines", "colocate.resources"),
+    ("colocate.arbiter",),
+    ("colocate.memory", "colocate.shm_files"),
+    ("colocate.telemetry",),
+)
+COLOCATE_BASE = ("colocate.calls", "colocate.checks", "colocate.monarch_compat",
+                 "colocate.abortable")
+
+
+def colocate_layer(module: str) -> int | None:
+    """The index of `module`'s part in COLOCATE_LAYERS (None: the base, or the package)."""
+    for index, parts in enumerate(COLOCATE_LAYERS):
+        if any(module == part or module.startswith(part + ".") for part in parts):
+            return index
+    return None
+
+
+def test_the_parts_of_colocate_import_only_downward():
+    upward = []
+    for module, imported_set in graph(("colocate",)).items():
+        own = colocate_layer(module)
+        for imported in imported_set:
+            theirs = colocate_layer(imported)
+            if own is None and module in COLOCATE_BASE and theirs is not None:
+                upward.append((module, imported))  # the base stands below every part
+            elif own is not None and theirs is not None and theirs < own:
+                upward.append((module, imported))
+            elif own is not None and theirs == own and module.split(".")[1] \
+                    != imported.split(".")[1]:
+                upward.append((module, imported))  # two parts side by side: apart
+    assert upward == []
+    placed = {m for m in graph(("colocate",)) if colocate_layer(m) is not None}
+    loose = set(graph(("colocate",))) - placed - set(COLOCATE_BASE) - {"colocate"}
+    assert loose == set(), f"modules in no layer of COLOCATE_LAYERS: {sorted(loose)}"

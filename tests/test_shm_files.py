@@ -1,4 +1,4 @@
-"""`colocate.resources.shm_files` in plain processes: a proc's recorded shared-memory files
+"""`colocate.shm_files` in plain processes: a proc's recorded shared-memory files
 go once it is killed, a live process's recorded files and unrecorded files stay, and a
 record left under a reused pid does not survive its new owner's first record."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from colocate.resources import shm_files
+from colocate import shm_files
 
 SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
 pytestmark = pytest.mark.skipif(SHM is None, reason="no /dev/shm")

@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 from colocate.engines.actors import GeneratorActor  # noqa: E402
 from colocate.engines.sampling import SamplingParams  # noqa: E402
 from colocate.engines.tiny import write_tiny_model  # noqa: E402
-from colocate.resources.shm_files import recorded  # noqa: E402
+from colocate.shm_files import recorded  # noqa: E402
 from services import ServiceConfig, spawn_service  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600),

@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from typing import TypeVar
 
 from colocate.arbiter import room
-from colocate.arbiter.config import ArbiterConfig, ArbiterConfigError, Slot, SlotTraffic
+from colocate.arbiter.config import ArbiterConfig, ArbiterConfigError
 from colocate.arbiter.delivery import AFTER_LOSS, Courier, find_lost, watched
 from colocate.arbiter.errors import (
     ArbiterError,
@@ -29,6 +29,7 @@ from colocate.arbiter.errors import (
 from colocate.arbiter.explain import Explain, PlanFailed, raise_errors, step_error, switch_error
 from colocate.arbiter.handoff import handoff_error, handoff_steps
 from colocate.arbiter.plan import RECEIVE, SLEEP, WAKE, PlanResult, Step
+from colocate.arbiter.slot import Slot, SlotTraffic
 from colocate.arbiter.tenant import TenantHandle, TenantInfo
 from colocate.arbiter.undo import UndoLog
 

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from colocate import memory, telemetry
-from colocate.arbiter.config import ArbiterConfig, Slot
+from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.errors import ArbiterTimeoutError, TenantLostError
 from colocate.arbiter.plan import (
     At,
@@ -41,10 +41,11 @@ from colocate.arbiter.plan import (
     Step,
     Wait,
     execute,
-    forget_progress,
     read_progress,
 )
+from colocate.arbiter.slot import Slot
 from colocate.arbiter.undo import UndoLog
+from colocate.shm_files import forget_progress
 
 T = TypeVar("T")
 LIVENESS_POLL_S = 0.05  # how often a pending call checks that its tenant's proc runs

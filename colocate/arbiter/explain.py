@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from colocate.arbiter.config import Slot
 from colocate.arbiter.errors import ReleaseNotVerifiedError, SwitchError, TenantLostError
 from colocate.arbiter.plan import SLEEP, Failure, Step
+from colocate.arbiter.slot import Slot
 
 
 class PlanFailed(Exception):

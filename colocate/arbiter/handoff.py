@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from colocate.arbiter.config import Slot
 from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.plan import RECEIVE, SLEEP, WAKE, Failure, Step
+from colocate.arbiter.slot import Slot
 
 
 def handoff_steps(slot: Slot, source: str, target: str, keep: Sequence[str],

@@ -12,11 +12,12 @@ from typing import Any
 
 from monarch.actor import Actor, ActorError, concurrent_endpoint
 
-from colocate.arbiter.config import ArbiterConfig, SlotTraffic
+from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.core import SlotArbiter
 from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.pid_watch import PidWatch
 from colocate.arbiter.plan import Plan, PlanResult
+from colocate.arbiter.slot import SlotTraffic
 from colocate.arbiter.tenant import TenantInfo
 
 

@@ -26,9 +26,7 @@ tenants as the plan left them.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
-import tempfile
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -37,6 +35,7 @@ from typing import Any
 from colocate import memory, telemetry
 from colocate.arbiter.tenant import TenantInfo
 from colocate.memory.traffic import Traffic
+from colocate.shm_files import forget_progress, progress_path
 
 SLEEP, WAKE, RECEIVE, RESTORE = "sleep", "wake", "receive", "restore"
 RELEASE_POLL_S = 0.002  # how often a release check reads the memory again
@@ -281,13 +280,7 @@ def used_here(device: str) -> int:
 
 # -- progress, readable after the proc died --------------------------------------------
 
-PROGRESS_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _WIDTH = 48
-
-
-def progress_path(pid: int) -> str:
-    """The file where process `pid` marks the step its plan is at."""
-    return os.path.join(PROGRESS_DIR, f"colocate-plan-{pid}")
 
 
 class _Board:
@@ -323,9 +316,3 @@ def read_progress(pid: int, plan_id: int) -> tuple[int, str] | None:
     except (OSError, ValueError):
         pass
     return None
-
-
-def forget_progress(pid: int) -> None:
-    """Remove process `pid`'s progress file (it ended)."""
-    with contextlib.suppress(OSError):
-        os.unlink(progress_path(pid))

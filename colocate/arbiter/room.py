@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from colocate import telemetry
-from colocate.arbiter.config import ArbiterConfig, Slot
+from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.plan import SLEEP, Step
 from colocate.arbiter.policy import Resident
+from colocate.arbiter.slot import Slot
 
 
 def held_bytes(slot: Slot) -> int:

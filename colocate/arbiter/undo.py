@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from colocate.arbiter.config import Slot
 from colocate.arbiter.plan import RESTORE, Step
+from colocate.arbiter.slot import Slot
 
 
 @dataclass

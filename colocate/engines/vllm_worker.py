@@ -40,7 +40,7 @@ from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistri
 from colocate.arbiter.tenant import TaggedTenant, TenantInfo
 from colocate.engines.weight_copy import check_weights
 from colocate.memory.storages import collect
-from colocate.resources.shm_files import record as record_shm
+from colocate.shm_files import record as record_shm
 
 BACKUP = {"weights": True, "kv_cache": False}  # stage -> contents kept across a sleep
 IDENT_ENV = "COLOCATE_VLLM_IDENT"
@@ -74,7 +74,7 @@ _vllm_init_cpu_shm = _CPUSHMDistributed._init_cpu_shm  # noqa: SLF001 (wrapped b
 
 def _init_cpu_shm_recorded(distributed: _CPUSHMDistributed) -> int:
     """vLLM's CPU shared-memory set-up, with the file this rank is about to create
-    recorded under this process's pid first (`colocate.resources.shm_files`), so the
+    recorded under this process's pid first (`colocate.shm_files`), so the
     runtime removes it if this proc is killed. vLLM's C++ `SHMManager` creates
     /dev/shm/<group name>_<rank in group> (`get_shm_name`, csrc/cpu/shm.cpp) and only its
     destructor, at a normal exit, unlinks it; a killed rank leaves it (8 MiB here). No

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from colocate.resources.shm_files import record as record_shm
+from colocate.shm_files import record as record_shm
 
 ALIGN = 64
 T = TypeVar("T")

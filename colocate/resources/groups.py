@@ -21,7 +21,7 @@ from typing import Any
 
 from colocate.resources.packing import Inventory, Placement, ResourceError, ResourceRequest
 from colocate.resources.procs import SlotProcs, select, spawn_slot_procs, stop_procs
-from colocate.resources.shm_files import remove_files_of
+from colocate.shm_files import remove_files_of
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,9 @@ from typing import Any
 from monarch.actor import Actor
 
 from colocate.arbiter.actor import Preempter, TenantActor
-from colocate.arbiter.config import ArbiterConfig, SlotTraffic
+from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.host import HostStatus
+from colocate.arbiter.slot import SlotTraffic
 from colocate.arbiter.tenant import TenantInfo
 from colocate.calls import call_spec
 from colocate.monarch_compat import endpoint_names, mesh_name

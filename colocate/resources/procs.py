@@ -23,7 +23,7 @@ from monarch.actor import Actor, default_bootstrap_cmd, endpoint
 
 from colocate.monarch_compat import BootstrapCommand
 from colocate.resources.packing import ResourceError
-from colocate.resources.shm_files import remove_files_of
+from colocate.shm_files import remove_files_of
 from colocate.telemetry import process_runs
 
 logger = logging.getLogger(__name__)

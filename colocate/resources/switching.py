@@ -27,13 +27,14 @@ from typing import Any
 
 from colocate.abortable import Abortable
 from colocate.arbiter.actor import remote_errors
-from colocate.arbiter.config import ArbiterConfig, SlotTraffic
+from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.errors import (
     ArbiterError,
     SwitchAbortedError,
     TenantLostError,
 )
 from colocate.arbiter.host import Arbiter, HostStatus
+from colocate.arbiter.slot import SlotTraffic
 from colocate.resources.groups import Allocation
 from colocate.resources.preempting import Preempters
 from colocate.resources.procs import SlotProcs, bootstrap_command, rank_of, select, stop_procs

@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from colocate import ArbiterConfig
-from colocate.arbiter.config import SlotTraffic
+from colocate.arbiter.slot import SlotTraffic
 from colocate.engines.generator import working_bytes
 from colocate.memory import Traffic
 from colocate.resources.manager import ResourceManager

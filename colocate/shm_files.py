@@ -10,17 +10,18 @@ process's files (a live rank's, another runtime's) are never touched.
 What records: vLLM's CPU communicator (`colocate.engines.vllm_worker`), whose
 per-rank files are removed only by its C++ destructor at a normal exit, so a killed
 rank leaves them (8 MiB each on 2 CPU slots). A proc's switch-plan progress file
-(`colocate.arbiter.plan.progress_path`, known by its pid) goes with them.
+(`progress_path`, known by its pid: where a proc marks the step of the arbiter's plan it
+is at, `colocate.arbiter.plan`) goes with them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from colocate.arbiter.plan import forget_progress
 from colocate.telemetry import process_runs
 
 _started = False  # whether this process wrote its record yet (the first write truncates)
@@ -66,3 +67,17 @@ def remove_files_of(pids: Iterable[int]) -> list[Path]:
         (_records() / str(pid)).unlink(missing_ok=True)
         forget_progress(pid)
     return removed
+
+
+PROGRESS_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def progress_path(pid: int) -> str:
+    """The file where process `pid` marks the step its plan is at."""
+    return os.path.join(PROGRESS_DIR, f"colocate-plan-{pid}")
+
+
+def forget_progress(pid: int) -> None:
+    """Remove process `pid`'s progress file (it ended)."""
+    with contextlib.suppress(OSError):
+        os.unlink(progress_path(pid))
