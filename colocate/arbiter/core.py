@@ -20,12 +20,7 @@ from typing import TypeVar
 from colocate.arbiter import room
 from colocate.arbiter.config import ArbiterConfig, ArbiterConfigError
 from colocate.arbiter.delivery import AFTER_LOSS, Courier, find_lost, watched
-from colocate.arbiter.errors import (
-    ArbiterError,
-    ArbiterTimeoutError,
-    SwitchError,
-    TenantLostError,
-)
+from colocate.arbiter.errors import ArbiterError, ArbiterTimeoutError, SwitchError, TenantLostError
 from colocate.arbiter.explain import Explain, PlanFailed, raise_errors, step_error, switch_error
 from colocate.arbiter.handoff import handoff_error, handoff_steps
 from colocate.arbiter.plan import RECEIVE, SLEEP, WAKE, PlanResult, Step
