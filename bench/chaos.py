@@ -201,19 +201,21 @@ def make_loop(cfg: Any, faults: list[Fault]) -> Any:
             self.pids.update(p.pid for p in psutil.Process().children(recursive=True))
 
         async def step(self, index: int) -> dict[str, Any]:
-            self.index = index
+            self.index, began = index, time.time()
             row = await super().step(index)
             now = time.time()
             self.ended.append((index, now))
-            stopping = [f for f in self.fired if f.kind in STOPS]  # it ends the run
+            # training is back: a step begun after the fault completed (a step under way
+            # at the kill may still end) -- unless the fault is one that ends the run
+            waiting = [f for f in self.fired if f.kind in STOPS or f.fired_at >= began]
             for fault in self.fired:
-                if fault in stopping:
+                if fault in waiting:
                     continue
                 fault.back_s = now - fault.fired_at
                 fault.outcome = "went on"
                 fault.steps_redone = sum(r["steps_redone"] for r in
                                          self.record.restarts[fault.restarts_before:])
-            self.fired = stopping
+            self.fired = waiting
             return row
 
         async def _readings(self, label: str, clock: Any = None) -> None:
