@@ -174,6 +174,7 @@ def make_loop(cfg: Any, faults: list[Fault]) -> Any:
                 self.pending.remove(fault)
             fault.fired_at, fault.at_step, fault.pid = time.time(), self.index, pid
             fault.phase = phase or self.phase_now
+            self.pids.add(pid)
             if fault not in self.fired:  # kill-during-restart fires twice
                 fault.restarts_before = len(self.record.restarts)
                 self.fired.append(fault)
@@ -277,6 +278,7 @@ def make_loop(cfg: Any, faults: list[Fault]) -> Any:
             return await sync
 
         async def _in_restart(self, event: Any) -> None:
+            self.note_pids()  # the new generation's
             fault = self.armed
             if fault is not None and fault.pick < 0.5:
                 self.armed = None
@@ -377,6 +379,7 @@ async def _run_once(cfg: Any, faults: list[Fault]) -> tuple[Any, BaseException |
     seen, last = -1, time.monotonic()
     while not task.done():
         await asyncio.wait([task], timeout=1.0)
+        loop.pids.update(p.pid for p in psutil.Process().children(recursive=True))
         if len(loop.ended) != seen:
             seen, last = len(loop.ended), time.monotonic()
         elif time.monotonic() - last > HANG_S and loop.stopped:
