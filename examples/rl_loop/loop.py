@@ -251,7 +251,12 @@ class Loop(Runtime, Saves):
                 await self.trainer.export_model.route(str(self.out / "model"))
             self.checkpoints.prune()
         except BaseException as err:
-            self.record.write(self.out, {"failed": f"{type(err).__name__}: {err}"})
+            found = self.checkpoints.complete()
+            err.add_note(f"the last complete checkpoint: {found[-1]} (run.resume=auto goes on "
+                         "from it)" if found else "no complete checkpoint yet: "
+                         "run.resume=auto starts the run anew")
+            self.record.write(self.out, {"failed": f"{type(err).__name__}: {err}; "
+                                                   f"{err.__notes__[-1]}"})
             raise
         finally:
             await self.stop()

@@ -79,14 +79,16 @@ class Recovery:
         if self.stepping is not None:
             self.stepping.cancel()
 
-    async def recover(self, index: int, failure: BaseException) -> int:
+    async def recover(self, index: int, failure: BaseException, again: int = 0) -> int:
         """Step `index` failed: when the trainer's group restarted for it, reload the newest
         complete checkpoint (none yet: the start) and return the step to go on from;
-        otherwise raise the failure."""
+        otherwise raise the failure. A proc lost during the reload itself (`again`: how
+        often so far) restarts the group once more, counted against run.max_restarts."""
         event = await self._restart_for(failure)
+        self.events = len(self.restarts.events)  # a later restart is a new one
         loop, run = self.loop, self.loop.cfg.run
         record = loop.record
-        if len(record.restarts) >= run.max_restarts:
+        if len(record.restarts) + again >= run.max_restarts:
             raise RuntimeError(f"a proc of the run was lost again after {run.max_restarts} "
                                f"restart(s) (run.max_restarts): {event.cause}") from failure
         found = loop.checkpoints.complete()
@@ -95,7 +97,10 @@ class Recovery:
             step=0, sampler=loop.sampler_start,
             identity=identity(record.config), metrics=record.steps[:1])
         loading = time.monotonic()
-        await loop.load(path)
+        try:
+            await loop.load(path)
+        except Exception as lost:  # its new procs were lost too: their group restarts again
+            return await self.recover(index, lost, again + 1)
         redone = record.steps[len(state.metrics):]
         loop.sampler.load_state_dict(state.sampler)
         if loop.pool is not None:
