@@ -324,14 +324,23 @@ def shm_files() -> set[str]:
     return found
 
 
-def leftovers(before: set[str], pids: set[int]) -> dict[str, list]:
-    """The bench's child procs still alive (after a grace), and the new /dev/shm files a
-    proc of the run made: named with its pid, or in its shared-memory record."""
+def children() -> set[int]:
+    """The pids of this process's child procs now (those before a run are not its)."""
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def leftovers(before: set[str], pids: set[int], older: set[int]) -> dict[str, list]:
+    """The child procs the run started still alive (after a grace; `older`: the children
+    there before it, such as a test runner's workers, are left alone), and the new
+    /dev/shm files a proc of the run made: named with its pid, or in its shared-memory
+    record."""
     from colocate.shm_files import recorded
 
+    def started() -> list[psutil.Process]:
+        return [p for p in psutil.Process().children(recursive=True) if p.pid not in older]
+
     deadline = time.monotonic() + 5
-    while (procs := psutil.Process().children(recursive=True)) and \
-            time.monotonic() < deadline:
+    while (procs := started()) and time.monotonic() < deadline:
         time.sleep(0.2)
     alive = [f"{p.pid} {p.name()} ({p.status()})" for p in procs if p.is_running()]
     for proc in procs:  # counted, then ended: the next run starts clean
@@ -405,7 +414,7 @@ async def faulted_run(shape: str, faults: list[Fault], args: argparse.Namespace,
 
     out = tmp / f"{shape}-faulted"
     pending, stops, pids = list(faults), [], set()
-    before = shm_files()
+    before, older = shm_files(), children()
     for _ in range(len(faults) + 2):
         cfg = load_config(overrides=overrides(shape, out, args,
                                               f"run.max_restarts={MAX_RESTARTS}"))
@@ -442,7 +451,7 @@ async def faulted_run(shape: str, faults: list[Fault], args: argparse.Namespace,
               f"(last complete checkpoint: {stops[-1]['last_complete_checkpoint']})")
     else:
         stops.append({"error": "still failing after every resume"})
-    found = leftovers(before, pids)
+    found = leftovers(before, pids, older)
     return {"out": out, "stops": stops, "leftovers": found,
             "finished": err is None, "unfired": [f.kind for f in pending]}
 

@@ -28,13 +28,13 @@ def test_the_plan_spreads_the_kinds_and_is_seeded():
 
 
 def test_leftovers_are_the_run_procs_files_and_live_children(tmp_path):
-    before = chaos.shm_files()
+    before, older = chaos.shm_files(), chaos.children()
     mine = chaos.SHM / "chaos-test-999999999.bin"  # named with a proc of the run's pid
     other = chaos.SHM / "chaos-test-someone-else.bin"
     for path in (mine, other):
         path.write_bytes(b"x")
     try:
-        found = chaos.leftovers(before, {999999999})
+        found = chaos.leftovers(before, {999999999}, older)
     finally:
         mine.unlink()
         other.unlink()
