@@ -61,11 +61,6 @@ class ServiceConfig:
         def fail(message: str) -> None:
             raise ServiceConfigError(f"ServiceConfig: {message}")
 
-        if self.router == "sticky":
-            fail("router='sticky' is no router of its own: every router keeps a session's "
-                 "calls on its replica (`svc.session()`); give router='least_loaded' for "
-                 "the same picks")
-
         problems = (
             *(check_int(name, getattr(self, name), 1) for name in (
                 "num_replicas", "hosts_per_replica")),

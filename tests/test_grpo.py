@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -22,8 +21,8 @@ from examples.rl_loop.grpo import (
 
 def test_advantages_are_centered_per_group_and_zero_for_a_constant_group():
     rewards = torch.tensor([0.0, 0.5, 1.0, 0.25, 0.7, 0.7, 0.7, 0.7])
-    for scale in (True, False):
-        adv = group_advantages(rewards, group_size=4, scale_by_std=scale).view(2, 4)
+    for scale in ("group", "none"):
+        adv = group_advantages(rewards, group_size=4, scale_rewards=scale).view(2, 4)
         assert torch.allclose(adv.sum(dim=1), torch.zeros(2), atol=1e-6)
         assert torch.equal(adv[1], torch.zeros(4))
         assert adv[0].argmax() == 2 and adv[0].argmin() == 0  # the order of the rewards
@@ -86,7 +85,7 @@ def test_clipping_stops_the_gradient_only_on_the_side_that_gains(advantage, log_
     old = torch.log(torch.tensor([[0.3]]))
     logprobs = (old + log_ratio).requires_grad_(True)
     loss, stats = grpo_loss(logprobs, old, torch.tensor([advantage]), torch.ones(1, 1),
-                            GRPOConfig(clip_eps=0.2))
+                            GRPOConfig(epsilon=0.2))
     loss.backward()
     grad = logprobs.grad.item()
     assert (grad != 0) == flows
@@ -108,7 +107,7 @@ def test_kl_is_zero_at_the_reference_and_positive_elsewhere():
     assert torch.isfinite(far.grad).all()
 
     b = _batch([1.0, -1.0])
-    cfg = GRPOConfig(kl_coef=0.5)
+    cfg = GRPOConfig(beta=0.5)
     base, _ = grpo_loss(b["logprobs"], b["old"], b["advantages"], b["mask"], GRPOConfig())
     same, stats = grpo_loss(b["logprobs"], b["old"], b["advantages"], b["mask"], cfg,
                             ref_logprobs=b["old"])
@@ -122,7 +121,7 @@ def test_kl_is_zero_at_the_reference_and_positive_elsewhere():
 
 @pytest.mark.parametrize("field, value", [
     ("group_size", 1), ("prompts_per_step", 0), ("updates_per_batch", 0), ("lr", 0.0),
-    ("temperature", -1.0), ("clip_eps", 1.0), ("kl_coef", -0.1),
+    ("temperature", -1.0), ("epsilon", 1.0), ("epsilon", 0.0), ("beta", -0.1),
 ])
 def test_grpo_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=f"GRPOConfig.{field}"):
@@ -238,7 +237,6 @@ def test_scale_rewards_group_batch_none_as_trl():
     assert torch.allclose(group, centered / stds)
     batch = group_advantages(rewards, 3, scale_rewards="batch", eps=0.0)
     assert torch.allclose(batch, centered / rewards.std())
-    assert torch.equal(group_advantages(rewards, 3, scale_by_std=False), none)  # old switch
 
 
 def test_samples_without_a_reward_get_zero_and_leave_the_group_stats():
@@ -250,16 +248,6 @@ def test_samples_without_a_reward_get_zero_and_leave_the_group_stats():
     assert torch.allclose(adv, torch.tensor([-1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]))
     assert torch.allclose(group_advantages(rewards, 4, scale_rewards="none", valid=valid),
                           torch.tensor([-2.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0]))
-
-
-def test_the_old_option_names_are_aliases_of_trls():
-    cfg = GRPOConfig(clip_eps=0.3, kl_coef=0.5, scale_by_std=False)
-    assert (cfg.epsilon, cfg.beta, cfg.scale_rewards) == (0.3, 0.5, "none")
-    assert (cfg.clip_eps, cfg.kl_coef, cfg.scale_by_std) == (None, None, None)
-    assert GRPOConfig(clip_eps=0.3, epsilon=0.3).epsilon == 0.3  # the same value: fine
-    with pytest.raises(ValueError, match="clip_eps=0.3 and GRPOConfig.epsilon=0.25 disagree"):
-        GRPOConfig(clip_eps=0.3, epsilon=0.25)
-    assert dataclasses.replace(cfg, lr=0.1).epsilon == 0.3  # a replace keeps the values
 
 
 @pytest.mark.parametrize("field, value", [

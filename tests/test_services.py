@@ -37,7 +37,7 @@ def test_config_errors_name_the_field_and_the_limit():
         (dict(procs_per_host=2, procs_per_replica=2), "not both"),
         (dict(procs_per_replica=2, hosts_per_replica=2), "one-host replicas"),
         (dict(router="random"), "router='random'"),
-        (dict(router="sticky"), "every router keeps a session's calls on its replica"),
+        (dict(router="sticky"), "router='sticky'"),
         (dict(when_asleep="sleep"), "when_asleep='sleep'"),
         (dict(max_retries=-1), "max_retries=-1"),
     ]

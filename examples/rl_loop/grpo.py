@@ -18,9 +18,6 @@ import torch.nn.functional as F
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
-# the names this config had before TRL's were adopted: old name -> (new name, old -> new)
-ALIASES = {"clip_eps": ("epsilon", float), "kl_coef": ("beta", float),
-           "scale_by_std": ("scale_rewards", lambda on: "group" if on else "none")}
 
 
 @dataclass(frozen=True)
@@ -30,11 +27,7 @@ class GRPOConfig:
     `examples.rl_loop.task` with the loop's default policy (a random 2-layer, 64-wide
     transformers Llama): held-out reward from 0.06 to 0.67 in 150 steps and 0.87 in 300
     (seed 0). With the project's earlier Llama, lr 3e-3 stalled near 0.45 on some seeds and
-    1e-2 collapsed.
-
-    `clip_eps`, `kl_coef` and `scale_by_std` are the earlier names of `epsilon`, `beta` and
-    `scale_rewards` (True: "group", False: "none"): still accepted, resolved into the new
-    fields here (and set back to None), refused when they disagree with them."""
+    1e-2 collapsed."""
 
     group_size: int = 4  # samples per prompt; advantages are relative within a group
     prompts_per_step: int = 32
@@ -53,26 +46,12 @@ class GRPOConfig:
     lr: float = 1e-3
     max_grad_norm: float = 1.0
     eps: float = 1e-6  # added to the std the advantages are divided by
-    clip_eps: float | None = None  # alias of epsilon
-    kl_coef: float | None = None  # alias of beta
-    scale_by_std: bool | None = None  # alias of scale_rewards
 
     def __post_init__(self) -> None:
-        for old, (new, convert) in ALIASES.items():
-            value = getattr(self, old)
-            if value is None:
-                continue
-            self._check(old, value)  # refused under the name the user gave
-            default = type(self).__dataclass_fields__[new].default
-            mapped = convert(value)
-            if getattr(self, new) not in (default, mapped):
-                raise ValueError(f"GRPOConfig.{old}={value} and GRPOConfig.{new}="
-                                 f"{getattr(self, new)!r} disagree: {old} is the old name "
-                                 f"of {new}; give {new} only")
-            object.__setattr__(self, new, mapped)
-            object.__setattr__(self, old, None)
-        for name in ("epsilon", "beta"):
-            self._check(name, getattr(self, name))
+        if not 0 < self.epsilon < 1:
+            raise ValueError(f"GRPOConfig.epsilon={self.epsilon}: must be in (0, 1)")
+        if self.beta < 0:
+            raise ValueError(f"GRPOConfig.beta={self.beta}: must be >= 0")
         if self.group_size < 2:
             raise ValueError(f"GRPOConfig.group_size={self.group_size}: must be >= 2 "
                              "(a group of one has no relative advantage)")
@@ -95,39 +74,23 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.max_completion_length={self.max_completion_length}"
                              ": must be >= 1")
 
-    @staticmethod
-    def _check(name: str, value: float) -> None:
-        """The clip and the KL weight, under either of their names."""
-        if name in ("epsilon", "clip_eps") and not 0 < value < 1:
-            raise ValueError(f"GRPOConfig.{name}={value}: must be in (0, 1)")
-        if name in ("beta", "kl_coef") and value < 0:
-            raise ValueError(f"GRPOConfig.{name}={value}: must be >= 0")
-
-    @property
-    def batch_size(self) -> int:
-        """Sequences per step: prompts_per_step x group_size."""
-        return self.prompts_per_step * self.group_size
-
     @property
     def clip_high(self) -> float:
         """The ratio's upper clip: 1 + (epsilon_high, or epsilon)."""
         return 1 + (self.epsilon if self.epsilon_high is None else self.epsilon_high)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool | None = None,
-                     eps: float = 1e-6, *, scale_rewards: str = "group",
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, *,
+                     scale_rewards: str = "group",
                      valid: torch.Tensor | None = None) -> torch.Tensor:
     """Per-sequence advantages [B] from rewards [B] laid out group by group: each reward minus
     its group's mean, divided (`scale_rewards`, as TRL) by its group's std + eps ("group"),
     by the whole batch's std + eps ("batch"), or not at all ("none"); stds are the unbiased
-    ones, as in TRL. `scale_by_std` is the old switch (True: "group", False: "none"). A group
-    whose rewards are all equal gets zeros.
+    ones, as in TRL. A group whose rewards are all equal gets zeros.
 
     `valid` [B] (bool) marks the sequences that have a reward: the others (every reward
     function skipped them, or their scoring failed) are left out of the means and stds and
     get advantage 0."""
-    if scale_by_std is not None:
-        scale_rewards = "group" if scale_by_std else "none"
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)}: expected [B] with B a "
                          f"multiple of group_size={group_size}")
