@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
-	$(PY) bench/memory.py
+	$(PY) -m bench.memory
 
 clean:
 	rm -rf $(VENV) runs

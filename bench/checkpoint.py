@@ -15,21 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from bench.common import announce  # noqa: E402
-from colocate.engines.models import load_model  # noqa: E402
-from colocate.engines.tiny import write_tiny_model  # noqa: E402
-from colocate.engines.trainer import PolicyTrainer  # noqa: E402
+from bench.common import announce
+from colocate.engines.models import load_model
+from colocate.engines.tiny import write_tiny_model
+from colocate.engines.trainer import PolicyTrainer
 
 # the RL loop's default policy (examples/rl_loop/config.yaml), and a larger one
 MODELS = {

@@ -16,7 +16,7 @@
    bracketed by `torch.cuda.synchronize()` (before, a timing could end with its copies
    still queued): `device.sh bench` runs it with 1.7 GB of weights.
 
-    python bench/engines.py [--dim 512] [--layers 8] [--engines torch,vllm] [--rounds 5]
+    python -m bench.engines [--dim 512] [--layers 8] [--engines torch,vllm] [--rounds 5]
                             [--out runs/bench_engines/results.json]
 """
 
@@ -26,29 +26,24 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from bench.common import announce  # noqa: E402
-from colocate.arbiter import SlotArbiter  # noqa: E402
-from colocate.arbiter.local import LocalTenantHandle  # noqa: E402
-from colocate.engines.generator import TorchGenerator  # noqa: E402
-from colocate.engines.models import load_model, load_tokenizer  # noqa: E402
-from colocate.engines.sampling import SamplingParams  # noqa: E402
-from colocate.engines.tiny import write_tiny_model  # noqa: E402
-from colocate.engines.trainer import PolicyTrainer  # noqa: E402
-from colocate.engines.weight_copy import check_weights, copy_weights  # noqa: E402
-from colocate.engines.weights import (  # noqa: E402
+from bench.common import announce
+from colocate.arbiter import SlotArbiter
+from colocate.arbiter.local import LocalTenantHandle
+from colocate.engines.generator import TorchGenerator
+from colocate.engines.models import load_model, load_tokenizer
+from colocate.engines.sampling import SamplingParams
+from colocate.engines.tiny import write_tiny_model
+from colocate.engines.trainer import PolicyTrainer
+from colocate.engines.weight_copy import check_weights, copy_weights
+from colocate.engines.weights import (
     as_stream,
     export_weights,
     read_exported,

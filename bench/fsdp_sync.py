@@ -43,24 +43,19 @@ import multiprocessing
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.tensor import DTensor, Shard  # noqa: E402
-
-from bench.common import announce  # noqa: E402
+from bench.common import announce
 
 # with the gather's own layout and buffer (private), to time the floor with what it does
-from colocate.engines.fsdp_gather import (  # noqa: E402
+from colocate.engines.fsdp_gather import (
     BucketGather,
     _byte_parts,
     _layout,
@@ -69,10 +64,10 @@ from colocate.engines.fsdp_gather import (  # noqa: E402
     buffer_bytes,
     gather_full,
 )
-from colocate.engines.models import load_model  # noqa: E402
-from colocate.engines.parallel import shard  # noqa: E402
-from colocate.engines.tiny import write_tiny_model  # noqa: E402
-from colocate.engines.trainer import BUCKET_MB, cut_buckets  # noqa: E402
+from colocate.engines.models import load_model
+from colocate.engines.parallel import shard
+from colocate.engines.tiny import write_tiny_model
+from colocate.engines.trainer import BUCKET_MB, cut_buckets
 
 WORLD = 2
 MIB = 1 << 20

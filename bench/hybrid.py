@@ -39,7 +39,7 @@ below: dim 512, 8 layers, 8 heads, 20 M parameters, 80 MiB in fp32).
 
 Prints the tables and a last summary line; writes `--out` (JSON).
 
-    HF_HUB_DISABLE_PROGRESS_BARS=1 VLLM_LOGGING_LEVEL=WARNING python bench/hybrid.py
+    HF_HUB_DISABLE_PROGRESS_BARS=1 VLLM_LOGGING_LEVEL=WARNING python -m bench.hybrid
         [--steps 3] [--warmup 1] [--rounds 8] [--bucket-mb 8] [--parallel ddp,fsdp]
         [--step-parallel ddp] [--interval-ms 5] [--out runs/bench_hybrid/results.json]
         [section.field=value ...]
@@ -60,17 +60,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+from monarch.actor import Actor, endpoint
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from monarch.actor import Actor, endpoint  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from bench import rl_step  # noqa: E402
-from bench.common import announce  # noqa: E402
-from bench.engines import median_s  # noqa: E402
+from bench import rl_step
+from bench.common import announce
+from bench.engines import median_s
 
 MIB = 1 << 20
 DEFAULTS = ["run.engine=vllm", "run.slots=2", "model.hidden_size=512", "model.layers=8",

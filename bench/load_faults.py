@@ -10,7 +10,7 @@ reached another caller, calls served asleep (callers' and tenants' counts), phas
 failed phases, and for a kill how long each service took to see its replica fail and to
 have it back.
 
-    python bench/load_faults.py [--calls 10000] [--clients 200] [--runs 2]
+    python -m bench.load_faults [--calls 10000] [--clients 200] [--runs 2]
                                 [--out runs/bench_load_faults/results.json]
 """
 
@@ -27,14 +27,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = ROOT / "tests"
-for path in (str(ROOT), str(TESTS)):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+from bench.common import announce
+from colocate.testing import start_runtime
 
-from bench.common import announce  # noqa: E402
-from colocate.testing import start_runtime  # noqa: E402
+# the load scenario is the tests' own (tests/load_scenario.py, shared with
+# tests/test_load_faults.py), imported by the name the tests and the procs know it by
+TESTS = str(Path(__file__).resolve().parents[1] / "tests")
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 
 async def one_run(calls: int, clients: int, kill: bool, seed: int) -> dict[str, Any]:

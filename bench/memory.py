@@ -30,7 +30,7 @@ Targets (PASS/FAIL per row): released fraction >= 0.99; backup pause and resume 
 GB/s are 1e9 bytes per second. Python's GC is off during each timed call, as in timeit.
 Each row is printed as soon as its size is measured (a run stopped early keeps its rows).
 
-    python bench/memory.py [--sizes 64,256,1024,2048] [--device cpu|cuda] [--repeats 3]
+    python -m bench.memory [--sizes 64,256,1024,2048] [--device cpu|cuda] [--repeats 3]
                            [--tensor-kib 0] [--out runs/bench_memory]
 """
 
@@ -53,15 +53,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import psutil
+import torch
+from tqdm import tqdm
 
-import psutil  # noqa: E402
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from colocate import memory, telemetry  # noqa: E402
+from colocate import memory, telemetry
 
 MIB, GIB, GB = 1 << 20, 1 << 30, 1e9
 MIN_RELEASED = 0.99

@@ -24,7 +24,7 @@ and the 16-token character tokenizer (so nearly every parameter sits in the laye
    completions equal torch's. Without an
    importable vLLM its row says skipped. (Generator sleep/wake: bench/engines.py.)
 
-    python bench/models.py [--hidden 512] [--layers 10] [--steps 8] [--rounds 5]
+    python -m bench.models [--hidden 512] [--layers 10] [--steps 8] [--rounds 5]
                            [--out runs/bench_models/results.json]
 """
 
@@ -41,21 +41,17 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from bench.common import announce  # noqa: E402
-from bench.engines import GiB, make_engine, median_s  # noqa: E402
-from colocate.engines.models import load_model, load_tokenizer  # noqa: E402
-from colocate.engines.parallel import PARALLEL  # noqa: E402
-from colocate.engines.sampling import SamplingParams  # noqa: E402
-from colocate.engines.tiny import write_tiny_model  # noqa: E402
-from colocate.engines.trainer import PolicyTrainer  # noqa: E402
+from bench.common import announce
+from bench.engines import GiB, make_engine, median_s
+from colocate.engines.models import load_model, load_tokenizer
+from colocate.engines.parallel import PARALLEL
+from colocate.engines.sampling import SamplingParams
+from colocate.engines.tiny import write_tiny_model
+from colocate.engines.trainer import PolicyTrainer
 
 WORLD = 2
 ROWS, SEQ = 8, 64  # the global batch: ROWS sequences of SEQ tokens, ROWS // WORLD per proc

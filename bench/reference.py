@@ -21,16 +21,11 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.common import announce  # noqa: E402
-from examples.rl_loop.config import load_config  # noqa: E402
-from examples.rl_loop.loop import Loop  # noqa: E402
+from bench.common import announce
+from examples.rl_loop.config import load_config
+from examples.rl_loop.loop import Loop
 
 LAYOUTS = {"1 slot": ["run.slots=1"], "2 slots, fsdp": ["run.slots=2", "trainer.parallel=fsdp"]}
 

@@ -65,20 +65,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import psutil
+from monarch.actor import Actor, endpoint
+from tqdm import tqdm
 
-import psutil  # noqa: E402
-from monarch.actor import Actor, endpoint  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from bench.common import announce, median_s  # noqa: E402
-from colocate import memory, telemetry  # noqa: E402
-from colocate.arbiter import plan  # noqa: E402
-from colocate.resources.packing import ResourceRequest  # noqa: E402
-from colocate.resources.procs import select  # noqa: E402
-from colocate.resources.start import init  # noqa: E402
+from bench.common import announce, median_s
+from colocate import memory, telemetry
+from colocate.arbiter import plan
+from colocate.resources.packing import ResourceRequest
+from colocate.resources.procs import select
+from colocate.resources.start import init
 
 MAX_RATIO = 0.65
 MAX_SWITCH_SHARE = 0.10

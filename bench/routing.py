@@ -21,7 +21,7 @@ The ways take turns in `--blocks` blocks (the order flips every block), so machi
 spreads over all of them. Every answer is checked (`work(x)` returns `x`), and afterwards
 no call may have reached a replica asleep (the tenant counts those).
 
-    python bench/routing.py [--calls 2000] [--tp-calls 4000] [--clients 16] [--blocks 10]
+    python -m bench.routing [--calls 2000] [--tp-calls 4000] [--clients 16] [--blocks 10]
                             [--warmup 200] [--mib 1] [--out runs/bench_routing/results.json]
 """
 
@@ -37,16 +37,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from tqdm import tqdm
 
-from tqdm import tqdm  # noqa: E402
-
-from bench.common import announce  # noqa: E402
-from colocate import phase  # noqa: E402
-from colocate.testing import MemoryTenant, start_runtime  # noqa: E402
-from services import Service, ServiceConfig, spawn_service  # noqa: E402
+from bench.common import announce
+from colocate import phase
+from colocate.testing import MemoryTenant, start_runtime
+from services import Service, ServiceConfig, spawn_service
 
 MAX_P50_RATIO = 1.3
 MIN_TP_RATIO = 0.7

@@ -52,15 +52,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import psutil
+from monarch.actor import Actor, endpoint
 
-import psutil  # noqa: E402
-from monarch.actor import Actor, endpoint  # noqa: E402
-
-from bench.monarch_growth import count_messages, echo_readings  # noqa: E402
-from colocate import telemetry  # noqa: E402
+from bench.monarch_growth import count_messages, echo_readings
+from colocate import telemetry
 
 MIB = 1 << 20
 SHM = Path("/dev/shm")

@@ -26,7 +26,7 @@ round trip (`describe`), one RSS reading by pid (`telemetry.read_pid`, what the 
 polls). The arbiter sends each slot's proc one message per switch: the plan (sleep the
 other tenant, measure its release in the proc, wake the target's stages), answered once.
 
-    python bench/switch.py [--mib 256] [--slots 1] [--rounds 10] [--control-slots 8]
+    python -m bench.switch [--mib 256] [--slots 1] [--rounds 10] [--control-slots 8]
                            [--control-mib 1] [--control-rounds 50]
                            [--out runs/bench_switch/results.json]
 """
@@ -45,20 +45,16 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+from monarch.actor import Actor, endpoint
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from monarch.actor import Actor, endpoint  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from bench.common import announce, median_s, timed  # noqa: E402
-from colocate import memory, telemetry  # noqa: E402
-from colocate.resources.manager import ResourceManager  # noqa: E402
-from colocate.resources.packing import ResourceRequest  # noqa: E402
-from colocate.resources.procs import select  # noqa: E402
-from colocate.testing import MemoryTenant, start_runtime  # noqa: E402
+from bench.common import announce, median_s, timed
+from colocate import memory, telemetry
+from colocate.resources.manager import ResourceManager
+from colocate.resources.packing import ResourceRequest
+from colocate.resources.procs import select
+from colocate.testing import MemoryTenant, start_runtime
 
 MAX_RATIO = 1.15
 MAX_CONTROL_MS = 5.0

@@ -45,11 +45,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from monarch.actor import Actor, endpoint  # noqa: E402
+from monarch.actor import Actor, endpoint
 
 # (module, qualified name) of the functions timed in each kind of process
 TENANT = [
@@ -107,18 +103,21 @@ def _wrap(owner: Any, attr: str, label: str) -> None:
 
 
 def install(targets: list[tuple[str, str]]) -> list[str]:
-    """Time `targets` in this process (those it has), and its gc pauses; returns the
-    labels of the parts timed."""
+    """Time `targets` in this process, and its gc pauses; returns the labels of the parts
+    timed. A target that is not there (renamed or moved) fails the bench, naming it: a
+    part left out silently would read as a part that costs nothing."""
     done = []
     for module_name, qualname in targets:
+        owner: Any = importlib.import_module(module_name)
+        *path, attr = qualname.split(".")
         try:
-            owner: Any = importlib.import_module(module_name)
-            *path, attr = qualname.split(".")
             for part in path:
                 owner = getattr(owner, part)
             getattr(owner, attr)
-        except (ImportError, AttributeError):
-            continue
+        except AttributeError:
+            raise AttributeError(f"bench/switch_parts.py times {module_name}.{qualname}, "
+                                 "which is not there any more: update TENANT, ARBITER or "
+                                 "CLIENT to where that part is now") from None
         label = f"{module_name.rsplit('.', 1)[-1]}.{qualname}"
         _wrap(owner, attr, label)
         done.append(label)

@@ -117,11 +117,11 @@ PY
       # a fresh process per row, ~15 s each on an H100 (3 rows in 45 s); a row of the
       # bytes as 256 KiB tensors beside each size's row
       part "bench/memory.py" 45 60 bench-memory.log \
-        python3 bench/memory.py --device cuda --sizes 256,1024 --tensor-kib 0,256 \
+        python3 -m bench.memory --device cuda --sizes 256,1024 --tensor-kib 0,256 \
         --out /tmp/bench_memory_cuda
       # dim 1536 x 12 layers: about 425 M parameters, 1.7 GB of fp32 weights
       part "bench/engines.py" 45 70 bench-engines.log \
-        python3 bench/engines.py --engines torch --dim 1536 --layers 12 --rounds 2 \
+        python3 -m bench.engines --engines torch --dim 1536 --layers 12 --rounds 2 \
         --out /tmp/bench_engines_cuda/results.json
       # the RL loop with a random Llama of ~0.5 B parameters (2 GB of fp32 weights), its
       # switch share on a GPU: metrics.json's summary and per-step switch_s / sync_s. The
@@ -157,7 +157,7 @@ PY
         "${pytest[@]}" tests/gpu/test_rl_loop_cuda.py --junitxml="$out/gpu-tests-4.xml"
     else
       part "bench/engines.py, 5 rounds" 60 480 bench-engines.log \
-        python3 bench/engines.py --engines torch --dim 1536 --layers 12 --rounds 5 \
+        python3 -m bench.engines --engines torch --dim 1536 --layers 12 --rounds 5 \
         --out /tmp/bench_engines_cuda/results.json
     fi
     python3 tests/gpu/summary.py "$out" "$1" | tee "$out/summary.md"
