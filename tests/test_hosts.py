@@ -12,13 +12,10 @@ import psutil
 import pytest
 from monarch.actor import Actor, endpoint
 
-from colocate.resources.hosts import (
-    HostJob,
-    HostStartError,
-    dryrun_torchx,
-    gpus_per_host,
-    start_hosts,
-)
+from colocate.resources.gpus import gpus_per_host
+from colocate.resources.host_job import HostJob, HostStartError
+from colocate.resources.hosts import start_hosts
+from colocate.resources.torchx_hosts import dryrun_torchx
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from colocate.resources.hosts import GPU_SLOT_ENV, Gpu, slot_gpu, visible_gpus
+from colocate.resources.gpus import GPU_SLOT_ENV, Gpu, slot_gpu, visible_gpus
 from colocate.resources.procs import SLOT_ENV, _slot_env, bootstrap_command
 
 H100 = [Gpu(f"GPU-{i}aaa-{i}", "NVIDIA H100 80GB HBM3") for i in range(8)]  # PCI order

@@ -21,39 +21,15 @@ Schedulers and how each starts:
   has several); ``stop()`` shuts the mesh down, then ``job.kill()``.
 
 GPU discovery (`gpus_per_host`, `visible_gpus`, `run_on_slot_gpu`) is `colocate.resources.gpus`;
-its names are importable from here too, as are those of `host_job` and `torchx_hosts`.
+the job object is `host_job`'s `HostJob`, the torchx launch `torchx_hosts`'.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from colocate.resources.gpus import (
-    GPU_SLOT_ENV,
-    Gpu,
-    NvmlError,
-    gpus_per_host,
-    nvml_available,
-    nvml_gpus,
-    run_on_slot_gpu,
-    slot_gpu,
-    visible_gpus,
-)
-from colocate.resources.host_job import HostJob, HostStartError, wait_initialized
-from colocate.resources.torchx_hosts import (
-    CLUSTER_PORT,
-    ROLE_NAME,
-    WORKER_MODULE,
-    dryrun_torchx,
-    start_torchx,
-)
-
-__all__ = [
-    "ACCEPTED", "CLUSTER_PORT", "GPU_SLOT_ENV", "Gpu", "HostJob", "HostStartError",
-    "NvmlError", "ROLE_NAME", "WORKER_MODULE", "dryrun_torchx", "gpus_per_host",
-    "nvml_available", "nvml_gpus", "run_on_slot_gpu", "slot_gpu", "start_hosts",
-    "visible_gpus",
-]
+from colocate.resources.host_job import HostJob, wait_initialized
+from colocate.resources.torchx_hosts import start_torchx
 
 ACCEPTED = ('"local"', '"processes"', '"torchx:<scheduler>"', "a Monarch job (JobTrait)")
 
