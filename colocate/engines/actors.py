@@ -27,6 +27,7 @@ from colocate.calls import needs, preemptible
 from colocate.engines import generator, trainer
 from colocate.engines.compute_thread import ComputeThread
 from colocate.engines.export import write_hf_model
+from colocate.engines.generating import Generator
 from colocate.engines.models import load_model
 from colocate.engines.reference import ForwardFn, ReferencePolicy
 from colocate.engines.sampling import Completion, SamplingParams
@@ -154,6 +155,7 @@ class GeneratorActor(TenantActor):
         if engine == "vllm" and "keep_weights" in options:
             raise ValueError("keep_weights is an option of the torch engine; the vLLM "
                              "engine always keeps its weights across sleeps")
+        self.engine: Generator
         if engine == "torch":
             self.engine = generator.TorchGenerator(load_model(model_dir), max_batch,
                                                    prefix=self.tenant_name, **options)
@@ -187,7 +189,7 @@ class GeneratorActor(TenantActor):
         """The preempt hook (see `TenantActor.preempt`): the torch engine polls the flag
         before each decoding step, vLLM's after each engine step (then aborts its
         requests); a vLLM replica of several ranks cannot stop early (its calls drain)."""
-        if self.compute is None and not self.engine.preemptible:
+        if not self.engine.preemptible:
             return False
         self.preemption.request()
         return True

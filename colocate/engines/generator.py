@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from colocate.arbiter.tenant import TaggedTenant
+from colocate.engines.generating import check_prompts
 from colocate.engines.sampling import Completion, SamplingParams, continued, partial_list
 from colocate.engines.weight_copy import copy_weights
 from colocate.engines.weights import WeightStream, published
@@ -66,7 +67,9 @@ class WeightsDiscardedError(RuntimeError):
 class TorchGenerator:
     """Generates with `model` (a transformers causal LM) on `device`; its memory is tagged
     under `prefix`, one tag per stage of `STAGES`: `tenancy` sleeps, wakes and describes
-    it."""
+    it. A `generating.Generator`."""
+
+    preemptible = True  # `generate` polls `stop` before each decoding step
 
     def __init__(self, model: torch.nn.Module, max_batch: int = 64, prefix: str = "generator",
                  device: str | torch.device | None = None, keep_weights: bool = True) -> None:
@@ -141,12 +144,7 @@ class TorchGenerator:
         it is."""
         self.tenancy.ensure_awake()
         self._ensure_weights()
-        limit = self.max_len
-        too_long = [i for i, p in enumerate(prompts) if len(p) + params.max_new_tokens > limit]
-        if too_long or any(len(p) == 0 for p in prompts):
-            raise ValueError(f"prompts {too_long or 'with no tokens'} do not fit: each needs "
-                             f"1 <= prompt + max_new_tokens ({params.max_new_tokens}) <= "
-                             f"max_position_embeddings ({limit})")
+        check_prompts(prompts, params.max_new_tokens, self.max_len, "max_position_embeddings")
         before = partial_list(partial, len(prompts), params)
         rng = torch.Generator(device=self.device)
         rng.manual_seed(params.seed if params.seed is not None else torch.seed())

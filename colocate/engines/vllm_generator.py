@@ -44,6 +44,7 @@ import torch
 import vllm
 
 from colocate import memory
+from colocate.engines.generating import check_prompts
 from colocate.engines.generator import kv_cache_bytes
 from colocate.engines.sampling import Completion, SamplingParams, continued, partial_list
 from colocate.engines.vllm_sleep import STAGES, ArenaSleep, NativeSleep, VLLMTenancy
@@ -149,12 +150,7 @@ class VLLMGenerator:
         running are aborted and their outputs so far returned, `finished=False` (a
         preempted call; only a one-rank engine is preempted: `preemptible`)."""
         self._ensure_awake(STAGES, "generate")
-        limit = self.max_model_len
-        too_long = [i for i, p in enumerate(prompts) if len(p) + params.max_new_tokens > limit]
-        if too_long or any(len(p) == 0 for p in prompts):
-            raise ValueError(f"prompts {too_long or 'with no tokens'} do not fit: each needs "
-                             f"1 <= prompt + max_new_tokens ({params.max_new_tokens}) <= "
-                             f"max_model_len ({limit})")
+        check_prompts(prompts, params.max_new_tokens, self.max_model_len, "max_model_len")
         before = partial_list(partial, len(prompts), params)
         todo = [i for i, done in enumerate(before) if done is None or not done.finished]
         if not todo:

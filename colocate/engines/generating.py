@@ -1,0 +1,47 @@
+"""What a generator engine is (`Generator`: the torch one and vLLM's), and the check both
+make before generating (`check_prompts`). `GeneratorActor` holds one; the weight syncs and
+the arbiter reach it through these calls and its `tenancy` only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import torch
+
+from colocate.arbiter.tenant import Tenancy
+from colocate.engines.sampling import Completion, SamplingParams
+from colocate.engines.weights import WeightStream
+
+
+class Generator(Protocol):
+    """A generator engine: its stages (`tenancy`: sleep, wake, describe), new weights in
+    place, its weights out, and generation (partial, stoppable when `preemptible`)."""
+
+    @property
+    def tenancy(self) -> Tenancy: ...
+
+    @property
+    def preemptible(self) -> bool:
+        """Whether a running `generate` stops when its `stop` answers True."""
+        ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 partial: Sequence[Completion | None] | None = None,
+                 stop: Callable[[], bool] | None = None) -> list[Completion]: ...
+
+    def load_weights(self, weights: WeightStream | Iterable[tuple[str, torch.Tensor]]
+                     ) -> int: ...
+
+    def weights(self) -> WeightStream: ...
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: int,
+                  limit_name: str) -> None:
+    """Refuse prompts that are empty or leave no room for `max_new_tokens` within the
+    model's `limit` of positions (named `limit_name`), listing them."""
+    too_long = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens > limit]
+    if too_long or any(len(p) == 0 for p in prompts):
+        raise ValueError(f"prompts {too_long or 'with no tokens'} do not fit: each needs "
+                         f"1 <= prompt + max_new_tokens ({max_new_tokens}) <= "
+                         f"{limit_name} ({limit})")
