@@ -10,6 +10,7 @@ beyond that is here, so a Monarch upgrade is checked in one file:
   wrap it.
 - `mesh_name(actors)`: the full name Monarch gave a spawned actor mesh (`ActorMesh._name`),
   the name its faults carry (`MeshFailure.mesh_name`).
+- `SupervisionError`: what a call raises when the called actor or its proc failed.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import warnings
 from typing import Any
 
 from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch._src.actor.endpoint import EndpointProperty
 
 MONARCH_VERSION = "0.7.0"
 
 __all__ = ["MONARCH_VERSION", "BootstrapCommand", "EndpointProperty", "endpoint_function",
-           "endpoint_names", "mesh_name", "set_endpoint_function"]
+           "endpoint_names", "mesh_name", "set_endpoint_function", "SupervisionError"]
 
 _installed = importlib.metadata.version("torchmonarch")
 if _installed != MONARCH_VERSION:

@@ -126,12 +126,8 @@ async def sync_weights(trainer: Service, generator: Service,
     colocated = [r for r in targets if set(r.allocation.pids) <= source_pids]
     apart = [r for r in targets if not set(r.allocation.pids) <= source_pids]
     await _check_coverage(trainer, source, generator, colocated)
-    handed = await asyncio.gather(*(rm.handoff(source.tenant, r.tenant) for r in colocated),
-                                  return_exceptions=True)
-    for replica, result in zip(colocated, handed, strict=True):
-        if isinstance(result, BaseException):
-            raise result  # each failed handoff rolled its slots back
-        report.handoff[replica.tenant] = result
+    if colocated:  # all at once; a failed one rolled its slots back
+        report.handoff.update(await rm.handoffs(source.tenant, [r.tenant for r in colocated]))
     for way, (offer, load) in WAYS.items():
         readers = [r for r in apart if _way(r, source_host) == way]
         if not readers:

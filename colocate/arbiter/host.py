@@ -12,6 +12,7 @@ from typing import Any
 
 from monarch.actor import Actor, ActorError, concurrent_endpoint
 
+from colocate.arbiter import room
 from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.core import SlotArbiter
 from colocate.arbiter.errors import ArbiterError
@@ -70,11 +71,20 @@ class ActorTenantHandle:
 HostStatus = dict[int, dict[str, list[str] | None]]  # slot -> tenant -> awake stages
 
 
+@dataclass(frozen=True)
+class HostView:
+    """A host's answer to a switch: who is awake on each slot, and the slots that have
+    nothing to decide (`room.roomy`: all awake, every working memory fits)."""
+
+    status: HostStatus
+    roomy: frozenset[int]
+
+
 class Arbiter(Actor):
     """One per host: the `SlotArbiter` of that host's slots, reached by message.
 
     Endpoints run concurrently; the per-slot locks inside serialize what conflicts. A switch
-    answers with the host's status after it, so the caller's view needs no second call.
+    answers with the host's view after it (`HostView`): the caller needs no second call.
     It also watches the host's slot procs, switch or not (`watch_pids`, `next_dead`: see
     `pid_watch`).
     """
@@ -96,32 +106,42 @@ class Arbiter(Actor):
 
     @concurrent_endpoint
     async def wake(self, name: str, slots: list[int] | None = None,
-                   stages: list[str] | None = None) -> HostStatus:
+                   stages: list[str] | None = None) -> HostView:
         await self.core.wake(name, slots, stages)
-        return self.core.status()
+        return self._view()
 
     @concurrent_endpoint
     async def make_room(self, name: str, asked_bytes: int,
-                        slots: list[int] | None = None) -> HostStatus:
+                        slots: list[int] | None = None) -> HostView:
         await self.core.make_room(name, asked_bytes, slots)
-        return self.core.status()
+        return self._view()
 
     @concurrent_endpoint
-    async def sleep(self, name: str, slots: list[int] | None = None) -> HostStatus:
+    async def sleep(self, name: str, slots: list[int] | None = None) -> HostView:
         await self.core.sleep(name, slots)
-        return self.core.status()
+        return self._view()
 
     @concurrent_endpoint
     async def handoff(self, source: str, target: str, slots: list[int] | None = None,
                       keep: list[str] | None = None, first: list[str] | None = None
-                      ) -> tuple[int, HostStatus]:
+                      ) -> tuple[int, HostView]:
         copied = await self.core.handoff(source, target, slots, keep or ["weights"],
                                          first or ["weights"])
-        return copied, self.core.status()
+        return copied, self._view()
 
     @concurrent_endpoint
     async def status(self) -> HostStatus:
         return self.core.status()
+
+    @concurrent_endpoint
+    async def view(self) -> HostView:
+        return self._view()
+
+    def _view(self) -> HostView:
+        core = self.core
+        return HostView(core.status(), frozenset(
+            index for index, slot in core.slots.items()
+            if room.roomy(slot, core.config, core.policy)))
 
     @concurrent_endpoint
     async def traffic(self) -> dict[int, SlotTraffic]:

@@ -18,7 +18,7 @@ from colocate import telemetry
 from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.plan import SLEEP, Step
-from colocate.arbiter.policy import Resident
+from colocate.arbiter.policy import Policy, Resident
 from colocate.arbiter.slot import Slot
 
 
@@ -66,6 +66,22 @@ def growth_bound(slot: Slot) -> int:
     capacity refuses them; a GPU's free memory is measured, not counted)."""
     return sum(i.working_bytes + slot.extra_need.get(n, 0) for n, i in slot.infos.items()
                if n not in slot.lost)
+
+
+def roomy(slot: Slot, config: ArbiterConfig, policy: Policy) -> bool:
+    """Whether the slot has nothing to decide: under a policy that measures, every live
+    tenant is wholly awake (none unknown) and the free memory holds every declared working
+    memory at once (`growth_bound`), so no wake has anything to do and weights may be copied
+    in place without a switch (`Switchboard.handoff`)."""
+    live = [n for n in slot.infos if n not in slot.lost]
+    if not policy.measures or not live or slot.unknown or not all(
+            set(slot.awake.get(n, ())) >= set(slot.infos[n].stages) for n in live):
+        return False
+    try:
+        free = free_bytes(slot, config)
+    except ArbiterError:  # no capacity known: a switch's own call says so
+        return False
+    return policy.has_room(growth_bound(slot), free)
 
 
 def needed_bytes(slot: Slot, name: str, stages: Sequence[str], working: bool) -> int:

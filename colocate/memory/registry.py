@@ -100,6 +100,7 @@ class TagRegistry:
         self._in_region = threading.local()
         self._open: dict[str, list[str]] = {}  # tag -> threads with a region of it open
         self._unfinished: list[Callable[[], None]] | None = None  # pauses held together
+        self._release_due = False  # a pause of the block gives back the allocators' memory
         self.traffic = TrafficCounter()  # what pauses and resumes moved
         self.capacity = Capacity()  # a CPU slot's, when its arbiter gives one
 
@@ -317,15 +318,23 @@ class TagRegistry:
             if self._unfinished is not None:
                 yield
                 return
-            self._unfinished = []
+            self._unfinished, self._release_due = [], False
             try:
                 yield
             finally:
                 unfinished, self._unfinished = self._unfinished, None
-                if unfinished:
+                if self._release_due:
                     release_cached()
-                    for finish in unfinished:
-                        finish()
+                for finish in unfinished:
+                    finish()
+
+    def _gives_back(self, device_type: str) -> bool:
+        """Whether a pause on `device_type` gives back the allocators' kept memory: always,
+        but for a CPU pause in a slot with a declared capacity. There the slot's budget
+        counts tagged memory only (`capacity`), so malloc's free lists take no room from
+        the tenant that wakes, while trimming them cost a switch 12 ms after a train step
+        of width 256 (which then faulted the pages back in: bench/RESULTS.md)."""
+        return device_type != "cpu" or self.capacity.bytes is None
 
     def _measured(self, op: str, record: Tag, device_type: str, nbytes: int,
                   action) -> None:
@@ -356,8 +365,10 @@ class TagRegistry:
             finish()
         elif self._unfinished is not None:  # a block of pauses: read once it ends
             self._unfinished.append(finish)
+            self._release_due |= self._gives_back(device_type)
         else:  # what the allocators keep of freed memory goes too (untimed)
-            release_cached()
+            if self._gives_back(device_type):
+                release_cached()
             finish()
 
     # -- queries -----------------------------------------------------------------------

@@ -290,7 +290,12 @@ class ResourceManager:
         """Pass `source`'s weights to `target` on every slot they share (see
         `SlotArbiter.handoff`: under the exclusive policy `source` ends asleep, under a
         budget it stays awake where it fits); returns the bytes copied on all slots."""
-        return await self.switchboard.handoff(source, target, keep, first)
+        return (await self.switchboard.handoffs(source, [target], keep, first))[target]
+
+    async def handoffs(self, source: str, targets: Sequence[str]) -> dict[str, int]:
+        """`handoff` to each of `targets` at once (a sharded source needs them together);
+        where the slots have room for all, the copies alone (`Switchboard.handoffs`)."""
+        return await self.switchboard.handoffs(source, targets)
 
     def routable(self, name: str, stages: Sequence[str] | None = None) -> bool:
         """Alive and, for a tenant, awake on all its slots with no switch in flight that may

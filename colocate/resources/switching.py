@@ -2,19 +2,17 @@
 with them, and the cached view of who is awake.
 
 Every switch (wake, sleep, handoff) goes through `Switchboard`: it marks the tenants the
-switch may put to sleep as switching (so `awake_now` is False for them), lets its watchers
+switch may put to sleep as switching (`awake_now` is False for them), lets its watchers
 (services) drain their calls in flight, asks each host's arbiter in parallel, and keeps the
-hosts' answers as its view: each tenant's stages awake on all its slots. A tenant
-`awake_now` in that view, for the stages asked, needs no wake: the resource manager skips
-the call. Under a policy that measures, a tenant may be partly awake, and a wake of some
-of its stages (or a handoff to it) may put its others to sleep: such a switch marks the
-tenant itself switching too. Watchers hear of each change of the view. Tenants an
-arbiter finds lost (their proc died) are reported to `on_lost` at once, from a switch's
-error or from the liveness checks made while a drain waits.
-
-A switch made with `preempt=True` first asks the `@preemptible` calls running in the
-tenants it may put to sleep to return what they have (`colocate.arbiter.preempt`), through
-the `Preempter` spawned beside each such tenant, then drains as ever.
+hosts' answers as its view (`HostView`): each tenant's stages awake on all its slots, and
+the slots that have nothing to decide (roomy). A wake the view says has nothing to do is
+skipped; a handoff on roomy slots is the copy alone (`in_place`). Under a policy that
+measures, a wake of some stages of a tenant (or a handoff to it) may put its others to
+sleep: it marks the tenant itself switching too. Watchers hear of each change of the view.
+Tenants an arbiter finds lost are reported to `on_lost` at once, from a switch's error or
+the liveness checks made while a drain waits. With `preempt=True`, a switch first asks the
+`@preemptible` calls running in the tenants it may put to sleep to return what they have
+(`colocate.arbiter.preempt`, through the `Preempter` beside each), then drains as ever.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any
 
 from colocate.abortable import Abortable
@@ -33,9 +31,10 @@ from colocate.arbiter.errors import (
     SwitchAbortedError,
     TenantLostError,
 )
-from colocate.arbiter.host import Arbiter, HostStatus
+from colocate.arbiter.host import Arbiter, HostStatus, HostView
 from colocate.arbiter.slot import SlotTraffic
 from colocate.resources.groups import Allocation
+from colocate.resources.in_place import InPlaceCopies, copy_in_place
 from colocate.resources.preempting import Preempters
 from colocate.resources.procs import SlotProcs, bootstrap_command, rank_of, select, stop_procs
 from colocate.resources.watcher import Watcher
@@ -59,6 +58,10 @@ class Switchboard:
         # under a policy that measures: (host, slot) -> the tenant last woken there, whose
         # working memory the arbiter kept free (another awake tenant's wake still asks it)
         self.holders: dict[tuple[int, int], str] = {}
+        # (host, slot)s with nothing to decide (`HostView.roomy`): any tenant there holds
+        self.roomy: set[tuple[int, int]] = set()
+        self.actors: dict[str, Any] = {}  # name -> its actor mesh (for in-place copies)
+        self.copies = InPlaceCopies()
         self.measures = config.make_policy().measures
         self.host_status: dict[int, HostStatus] = {}  # the arbiters' answers, last view
         self.watchers: list[Watcher] = []  # drain and changed
@@ -102,6 +105,7 @@ class Switchboard:
         """Register a started tenant with the arbiters of its slots (on all or on none);
         `preempters`: the `Preempter`s on its procs, when it has preemptible endpoints."""
         self.tenants[name] = list(allocation.slots)
+        self.actors[name] = actors
         if preempters is not None:
             self.preempters.actors[name] = preempters
         per_host = allocation.procs_per_host
@@ -134,7 +138,7 @@ class Switchboard:
     def forget(self, name: str) -> None:
         """Forget a tenant here only (its arbiters no longer know it, or its slots are gone)."""
         for table in (self.tenants, self.stages, self.working, self.pids, self.awake,
-                      self.preempters.actors):
+                      self.actors, self.preempters.actors):
             table.pop(name, None)
         self.holders = {slot: n for slot, n in self.holders.items() if n != name}
 
@@ -186,9 +190,10 @@ class Switchboard:
 
     def holds(self, name: str) -> bool:
         """Whether `name` holds its slots' working memory (always, when the policy does
-        not measure or it declares none): then a wake of it, awake, has nothing to do."""
+        not measure, it declares none, or its slots are roomy): then a wake of it, awake,
+        has nothing to do."""
         return not self.measures or not self.working.get(name) or all(
-            self.holders.get(s) == name for s in self.tenants.get(name, ()))
+            self.holders.get(s) == name or s in self.roomy for s in self.tenants.get(name, ()))
 
     async def _holding(self, name: str, switch: Awaitable[None]) -> None:
         """Run a switch that leaves `name` holding its slots (unknown if it fails)."""
@@ -203,12 +208,27 @@ class Switchboard:
         await self._switch({name}, lambda: {
             h: self.arbiter(h).sleep.call_one(name, slots) for h, slots in by_host.items()})
 
-    async def handoff(self, source: str, target: str, keep: list[str] | None = None,
-                      first: list[str] | None = None) -> int:
-        """Pass `source`'s weights to `target` on every slot they share, staged (see
-        `SlotArbiter.handoff`); returns the bytes copied on all slots. Afterwards `target`
-        is awake and `source` asleep there."""
-        by_host = self._by_host(target)
+    async def handoffs(self, source: str, targets: Sequence[str],
+                       keep: list[str] | None = None, first: list[str] | None = None
+                       ) -> dict[str, int]:
+        """Pass `source`'s weights to each of `targets` on every slot they share, staged
+        (see `SlotArbiter.handoff`), all at once (a sharded source gathers each bucket on
+        all its ranks together); returns the bytes copied per target, or raises the first
+        failure once all have ended. Afterwards the targets are awake and `source` asleep
+        there (under a budget: awake where it fits). Where every slot of `source` is roomy,
+        the copies are all there is to do: made in place with no switch (`in_place`)."""
+        for target in targets:
+            self._check_handoff(source, target)
+        if self.measures and all(s in self.roomy for s in self.tenants[source]) \
+                and all(self.awake_now(t) for t in targets) \
+                and self.awake_now(source, keep or ("weights",)):
+            return await self._copy_in_place(source, list(targets))
+        return _each(targets, await asyncio.gather(
+            *(self._hand_off(source, t, keep, first) for t in targets), return_exceptions=True))
+
+    def _check_handoff(self, source: str, target: str) -> None:
+        """Refuse a handoff between tenants that do not share all the target's procs."""
+        self._by_host(target)
         self._by_host(source)  # an unknown source fails here
         apart = set(self.tenants[target]) - set(self.tenants[source])
         if apart:
@@ -222,22 +242,44 @@ class Switchboard:
                                "they live in different processes (a handoff copies within "
                                "one); sync through shared memory (services.sync_weights does "
                                "for replicas on other procs)")
+
+    async def _hand_off(self, source: str, target: str, keep: list[str] | None,
+                        first: list[str] | None) -> int:
+        """One handoff through the arbiters of `target`'s hosts."""
         copied = 0
 
-        async def on(host: int, slots: list[int]) -> HostStatus:
+        async def on(host: int, slots: list[int]) -> HostView:
             nonlocal copied
-            moved, status = await self.arbiter(host).handoff.call_one(
+            moved, view = await self.arbiter(host).handoff.call_one(
                 source, target, slots, keep, first)
             copied += moved
-            return status
+            return view
 
         touched = self._neighbours(target) | {source}
         if self.measures:
             touched.add(target)  # its stages beyond the weights may sleep to make room
         await self._holding(target, self._switch(
-            touched,
-            lambda: {h: on(h, slots) for h, slots in by_host.items()}))
+            touched, lambda: {h: on(h, slots) for h, slots in self._by_host(target).items()}))
         return copied
+
+    async def _copy_in_place(self, source: str, targets: list[str]) -> dict[str, int]:
+        """The `targets` take `source`'s weights in their procs, with no switch: all are
+        marked switching (routing to them waits), their calls in flight drained, and
+        switches of any wait for the copies (`InPlaceCopies`); each watched as the
+        arbiter watches a plan (`copy_in_place`)."""
+        touched = {source, *targets}
+        self._switching.update(touched)
+        try:
+            async with self.copies.running_on(touched):
+                await self._under_way.run(self._drain(touched, copies=False))
+                copied = await self._under_way.run(asyncio.gather(*(copy_in_place(
+                    self.actors[t], source, t, lambda: self._find_lost(touched),
+                    self.config.call_timeout_s, DRAIN_LIVENESS_S) for t in targets),
+                    return_exceptions=True))
+                return _each(targets, copied)
+        finally:
+            self._switching.subtract(touched)
+            self._changed()
 
     def _neighbours(self, name: str) -> set[str]:
         """The tenants that share a slot with `name`: a wake of `name` may put them to sleep."""
@@ -246,18 +288,15 @@ class Switchboard:
                 if other != name and mine.intersection(slots)}
 
     async def _switch(self, touched: set[str],
-                      calls: Callable[[], dict[int, Awaitable[HostStatus]]],
+                      calls: Callable[[], dict[int, Awaitable[HostView]]],
                       preempt: bool = False) -> None:
         """Make arbiter calls (host -> call) that may put `touched` to sleep: first mark
-        them switching and let the watchers drain their in-flight requests; after, update
-        the view from the hosts' answers (from every host's status, when a call failed and
-        left its host's state unknown).
-
-        `calls` makes the calls only when invoked: a Monarch call is sent when it is made,
-        not when it is awaited, so making them before the drain would race it.
-
-        With `preempt`, `touched`'s running preemptible calls are first asked to return
-        what they have (`Preempters.ask`), and their flags cleared once drained."""
+        them switching and let the watchers drain their in-flight requests (with `preempt`,
+        their preemptible calls asked to return first: `Preempters.ask`); after, keep the
+        hosts' answers as the view (every host's, when a call failed and left its host's
+        state unknown). `calls` makes the calls only when invoked: a Monarch call is sent
+        when it is made, not when it is awaited, so making them before the drain would
+        race it."""
         self._switching.update(touched)
         try:
             await self._under_way.run(self._drain_then_call(touched, calls, preempt))
@@ -266,7 +305,7 @@ class Switchboard:
             self._changed()
 
     async def _drain_then_call(self, touched: set[str],
-                               calls: Callable[[], dict[int, Awaitable[HostStatus]]],
+                               calls: Callable[[], dict[int, Awaitable[HostView]]],
                                preempt: bool = False) -> None:
         asked = sorted(n for n in touched if n in self.preempters.actors) if preempt else []
         try:
@@ -286,16 +325,17 @@ class Switchboard:
             if not self._under_way.aborted:
                 await self.refresh()  # before routing resumes: the old view is stale now
             raise
-        self.host_status.update(zip(pending, answers, strict=True))
-        self._update_awake()
+        self._keep(dict(zip(pending, answers, strict=True)))
 
-    async def _drain(self, touched: set[str]) -> None:
-        """Let the watchers drain `touched`. A call in flight in a proc that died would hold
+    async def _drain(self, touched: set[str], copies: bool = True) -> None:
+        """Let the watchers drain `touched` (with `copies`: and wait for the in-place copies
+        from or into them). A call in flight in a proc that died would hold
         the drain until Monarch gives up on it (seconds to minutes), so while the drain
         waits, the arbiters check every `DRAIN_LIVENESS_S` that those tenants' procs run;
         the lost ones are reported (`on_lost`), and their services end those calls."""
-        drained = asyncio.ensure_future(
-            asyncio.gather(*(watcher.drain(touched) for watcher in list(self.watchers))))
+        drained = asyncio.ensure_future(asyncio.gather(
+            *(watcher.drain(touched) for watcher in list(self.watchers)),
+            *([self.copies.ended(touched)] if copies else [])))
         try:
             while not drained.done():
                 await asyncio.wait({drained}, timeout=DRAIN_LIVENESS_S)
@@ -305,14 +345,16 @@ class Switchboard:
         finally:
             drained.cancel()
 
-    async def _find_lost(self, names: set[str]) -> None:
+    async def _find_lost(self, names: set[str]) -> dict[str, str]:
+        """Report those of `names` whose procs died (`on_lost`); returns them: name -> why."""
         hosts = {host for name in names if name in self.tenants
                  for host, _ in self.tenants[name]}
         found = await asyncio.gather(*(self.arbiter(h).find_lost.call_one(sorted(names))
                                        for h in hosts))
-        for lost in found:
-            for name, why in lost.items():
-                self.on_lost((name,), why)
+        lost = {name: why for each in found for name, why in each.items()}
+        for name, why in lost.items():
+            self.on_lost((name,), why)
+        return lost
 
     def awake_now(self, name: str, stages: Collection[str] | None = None) -> bool:
         """`stages` (default: all of its own) awake on all its slots in the view, with no
@@ -355,10 +397,17 @@ class Switchboard:
                 for point, value in found.items()}
 
     async def refresh(self) -> None:
-        """Ask every arbiter for its status and keep it as the view."""
-        self.host_status = await self.status()
-        self._update_awake()
+        """Ask every arbiter for its view and keep it."""
+        self._keep(await self._each_host("view"))
         self._changed()
+
+    def _keep(self, views: dict[int, HostView]) -> None:
+        """Keep hosts' answers as the view: who is awake, which slots are roomy."""
+        for host, view in views.items():
+            self.host_status[host] = view.status
+            self.roomy = {s for s in self.roomy if s[0] != host} | {
+                (host, slot) for slot in view.roomy}
+        self._update_awake()
 
     def _update_awake(self) -> None:
         status = self.host_status
@@ -370,3 +419,12 @@ class Switchboard:
     def _changed(self) -> None:
         for watcher in list(self.watchers):
             watcher.changed()
+
+
+def _each(targets: Sequence[str], results: list[int | BaseException]) -> dict[str, int]:
+    """Bytes copied per target, or the first failure (each failed handoff rolled its slots
+    back; the others are done)."""
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return dict(zip(targets, results, strict=True))  # type: ignore[arg-type]
