@@ -41,6 +41,8 @@ from examples.rl_loop.runtime import model_dir
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "rl_loop" / "long_tail.yaml"
 # the figures's settings, both arms: one update per batch (TRL's default), evaluated often
 COMMON = ["grpo.updates_per_batch=1", "run.save_every=0", "run.resume=none"]
+# partial: the next step's first round generated while one trains (rollout.overlap)
+ARMS = {"sync": [], "partial": ["rollout.overlap=true"]}
 SPANS = ("generate_s", "score_s", "train_s", "switch_s", "sync_s", "save_s")
 
 
@@ -77,7 +79,7 @@ def warm_start(work: Path, steps: int, seed: int = 0) -> Path:
 def run_arm(mode: str, model: Path, out: Path, steps: int, eval_every: int) -> dict[str, Any]:
     """One run of the loop (its own process); its metrics.json, and its wall time."""
     command = [sys.executable, "-m", "examples.rl_loop", "--config", str(CONFIG),
-               f"model.path={model}", f"rollout.mode={mode}", f"run.steps={steps}",
+               f"model.path={model}", f"rollout.mode={mode}", *ARMS[mode], f"run.steps={steps}",
                f"run.eval_every={eval_every}", f"run.out={out}", *COMMON]
     began = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True)

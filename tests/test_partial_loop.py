@@ -77,6 +77,27 @@ async def test_a_run_resumed_with_carried_samples_is_the_run_never_stopped(whole
         await run(out, "run.steps=7", "run.save_every=3", "rollout.mode=sync")
 
 
+async def test_with_overlap_the_next_round_runs_while_a_step_trains_and_resumes_exactly(
+        tmp_path):
+    """rollout.overlap: each step's next round is generated beside its training (tokens
+    of the weights the step trained on, taken in before its sync), with a token budget, so
+    a run stopped and resumed (the next step's prompts in its checkpoint) is the run never
+    stopped."""
+    overlap = ("rollout.overlap=true", "run.eval_every=2")
+    whole = await run(tmp_path / "whole", "run.steps=4", "run.save_every=0", *overlap)
+    rows = whole[1:]
+    assert all(r["prefetched_tokens"] > 0 for r in rows)
+    assert max(int(k) for r in rows for k in r["staleness_hist"]) >= 1
+    out = tmp_path / "stopped"
+    await run(out, "run.steps=2", "run.save_every=2", *overlap)
+    saved = LoopState.read(out / "checkpoints" / "step_00000002" / "loop.json")
+    assert {g["started"] for g in saved.carried["groups"]} >= {2}  # step 2's, drawn ahead
+    resumed = await run(out, "run.steps=4", "run.save_every=2", "run.resume=auto", *overlap)
+    assert figures(resumed) == figures(whole)
+    with pytest.raises(ValueError, match="rollout.overlap=true .* needs rollout.mode=partial"):
+        load_config(CONFIG, ["rollout.overlap=true"])
+
+
 async def test_sync_mode_is_unchanged(tmp_path):
     cfg = load_config(overrides=["run.steps=2", "run.eval_every=2", f"run.out={tmp_path}"])
     assert cfg.rollout.mode == "sync"

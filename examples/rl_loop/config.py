@@ -124,6 +124,7 @@ class RunConfig:
     max_restarts: int = 3  # a lost proc: restart the slots, reload the last checkpoint
     policy: str = "budget"  # budget: only what a slot lacks moves; exclusive: one awake a slot
     slot_memory: str = "auto"  # a slot's capacity in bytes (or KiB/MiB/GiB); auto: see budget.py
+    cpu_threads: int = 0  # torch's intra-op threads in each slot proc (0: torch's, every core)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -131,7 +132,7 @@ class RunConfig:
         for name in ("steps", "eval_every", "slots", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"run.{name}={getattr(self, name)}: must be >= 1")
-        for name in ("save_every", "export_every", "max_restarts"):
+        for name in ("save_every", "export_every", "max_restarts", "cpu_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"run.{name}={getattr(self, name)}: must be >= 0")
         if not self.resume:

@@ -35,7 +35,7 @@ from examples.rl_loop.budget import budget_summary
 from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.data import Row
 from examples.rl_loop.memory import ProcPeaks, devices_of, resident_per_proc
-from examples.rl_loop.partial import Pool, check_room, decode_slots, generate_step
+from examples.rl_loop.partial import Pool, check_room, decode_slots, generate_step, prefetch
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.recovery import Recovery
 from examples.rl_loop.rollouts import ReferenceLogprobs, behind, losses, scored_batch
@@ -153,9 +153,10 @@ class Loop(Runtime, Saves):
         async with phase(self.generator):  # no switch: the last sync left it awake
             clock.lap("switch")
             await self._readings("generate", clock)
-            prompts = self.source.sample(cfg.grpo.prompts_per_step)
-            sampling = dataclasses.replace(self.sampling,
-                                           seed=cfg.run.seed * 1_000_003 + index * 10_007)
+            # with rollout.overlap the last step drew this one's prompts (`partial.prefetch`)
+            prompts = [] if self.pool is not None and self.pool.has(index) \
+                else self.source.sample(cfg.grpo.prompts_per_step)
+            sampling = self._sampling(index)
             if self.pool is None:
                 tokens, completions = await self.generate(prompts, sampling,
                                                           cfg.grpo.group_size)
@@ -173,38 +174,45 @@ class Loop(Runtime, Saves):
         # the next tenant's wake needs nothing from the scores: it runs while they are
         # computed, decoding and the batch on a worker thread so that this loop drives it
         ahead = switch_ahead(self.trainer if self.reference is None else self.reference)
+        prefetched = prefetch(self.pool, self.source.sample(cfg.grpo.prompts_per_step),
+                              index + 1, self._generating, self._sampling(index + 1)) \
+            if cfg.rollout.overlap else None  # the next step's first round, meanwhile
         try:
             batch, stats = await self._scored(index, prompts, tokens, completions)
-        except BaseException:
-            drop(ahead)
-            raise
-        is_cap = None
-        if self.pool is not None:  # how many versions older than the trainer's each token is
-            batch["behind"] = behind(tokens, completions, self.pool.version, batch["mask"])
-            is_cap = cfg.rollout.is_cap if bool(batch["behind"].any()) else None
-        clock.lap("score")
-        if self.reference is not None:  # its turn: woken for the reference log-probs
-            ahead_s = await ahead  # its error, if it failed, is raised here
-            async with phase(self.reference):  # awake already: no switch
-                clock.lap("reference_switch")
-                await self._readings("reference", clock)
-                batch["ref_logprobs"] = await self.reference.forward.route(
-                    ReferenceLogprobs(cfg.grpo.temperature), batch)
-                clock.lap("reference")
-        async with self.training:
-            if self.reference is None:
+            is_cap = None
+            if self.pool is not None:  # how many versions older than the trainer's each token is
+                batch["behind"] = behind(tokens, completions, self.pool.version, batch["mask"])
+                is_cap = cfg.rollout.is_cap if bool(batch["behind"].any()) else None
+            clock.lap("score")
+            if self.reference is not None:  # its turn: woken for the reference log-probs
                 ahead_s = await ahead  # its error, if it failed, is raised here
-            async with phase(self.trainer):  # no switch unless the reference took its turn
-                clock.lap("switch")
-                await self._readings("train", clock)
-                for loss in losses(self.grpo, cfg.grpo.updates_per_batch, is_cap):
-                    metrics = await self.trainer.train_step.route(loss, batch)
-                clock.lap("train")
-                await self._keep(index + 1)
-                clock.lap("save")
-            await sync_weights(self.trainer, self.generator)
-            if self.pool is not None:
-                self.pool.version += 1  # the generator's weights: one training step newer
+                async with phase(self.reference):  # awake already: no switch
+                    clock.lap("reference_switch")
+                    await self._readings("reference", clock)
+                    batch["ref_logprobs"] = await self.reference.forward.route(
+                        ReferenceLogprobs(cfg.grpo.temperature), batch)
+                    clock.lap("reference")
+            async with self.training:
+                if self.reference is None:
+                    ahead_s = await ahead  # its error, if it failed, is raised here
+                async with phase(self.trainer):  # no switch unless the reference took its turn
+                    clock.lap("switch")
+                    await self._readings("train", clock)
+                    for loss in losses(self.grpo, cfg.grpo.updates_per_batch, is_cap):
+                        metrics = await self.trainer.train_step.route(loss, batch)
+                    if prefetched is not None:  # its tokens are this version's: in before the sync
+                        rollout["prefetched_tokens"] = (await prefetched.absorb())["tokens"]
+                    clock.lap("train")
+                    await self._keep(index + 1)
+                    clock.lap("save")
+                await sync_weights(self.trainer, self.generator)
+                if self.pool is not None:
+                    self.pool.version += 1  # the generator's weights: one training step newer
+        except BaseException:  # what was started ahead is not needed any more
+            drop(ahead)
+            if prefetched is not None:
+                drop(prefetched.task)
+            raise
         clock.lap("sync")
         await self._readings("sync", clock)
         moves = await self.moves.since_last(self.services())  # what the switches moved
@@ -215,6 +223,16 @@ class Loop(Runtime, Saves):
         if (index + 1) % cfg.run.eval_every == 0 or index + 1 == cfg.run.steps:
             row["eval_reward"] = await self.evaluate(f"the evaluation after step {index}")
         return row
+
+    def _sampling(self, index: int) -> SamplingParams:
+        """Step `index`'s sampling, with its seed."""
+        return dataclasses.replace(self.sampling,
+                                   seed=self.cfg.run.seed * 1_000_003 + index * 10_007)
+
+    async def _generating(self, prompts: list[list[int]], params: SamplingParams) -> list:
+        """`generate_ids` in the generator's phase (a round started while a step trains)."""
+        async with phase(self.generator):
+            return await self.generate_ids(prompts, params)
 
     async def _scored(self, index: int, prompts: list[Row], tokens: list[list[int]],
                       completions: list) -> tuple[dict[str, Any], dict[str, Any]]:

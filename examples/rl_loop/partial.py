@@ -23,11 +23,22 @@ generator's own load counter, which a respawn or a resume restarts). A group liv
 within this step (`rollout.on_stale=finish`: no bias against the long samples) or dropped
 (`drop`). The carried groups are part of the loop's state (`state_dict`, in loop.json).
 How the loss corrects for the older tokens: `grpo.grpo_loss`'s `prox_logprobs`.
+
+With `rollout.overlap`, the generation goes on while the step trains, as veRL's colocated
+async trainer keeps its rollout engine busy on the shared pool until the weight update:
+once a step has taken its finished groups, the next step's prompts join the pool and one
+round continues every unfinished sample (`prefetch`), on the weights of this step, beside
+the scoring and the training; the loop takes its tokens in before its checkpoint and the
+sync (`Prefetch.absorb`). The round has the token budget too, so it ends by itself and the
+run repeats; on slots with room for both (`run.slot_memory`) the two run side by side,
+otherwise the switches take them in turn. The next step then starts with that round done.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +59,7 @@ class RolloutConfig:
     max_staleness: int = 4  # partial: policy versions a sample may span (its tokens' range)
     on_stale: str = "finish"  # partial, past max_staleness: finish it now, or drop its group
     is_cap: float = 2.0  # partial: the truncation C of the importance weight of older tokens
+    overlap: bool = False  # partial: the next step's first round generated while one trains
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -59,6 +71,9 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{name}={getattr(self, name)}: must be >= 1")
         if not self.is_cap >= 1:
             raise ValueError(f"rollout.is_cap={self.is_cap}: must be >= 1")
+        if self.overlap and not self.partial:
+            raise ValueError("rollout.overlap=true continues carried samples while a step "
+                             "trains: it needs rollout.mode=partial")
 
     @property
     def partial(self) -> bool:
@@ -119,6 +134,10 @@ class Pool:
         self.max_batch = max_batch  # the generator's: rows decoded together
         self.groups: list[Group] = []
         self.version = 0
+
+    def has(self, step: int) -> bool:
+        """Whether the groups of step `step` are in (added ahead by `prefetch`)."""
+        return any(g.started == step for g in self.groups)
 
     def add(self, rows: list[Row], step: int) -> None:
         self.groups += [Group(row, step, [Sample() for _ in range(self.group_size)])
@@ -245,6 +264,37 @@ async def generate_step(pool: Pool, generate: Any, sampling: Any) -> tuple[list[
                   "finished_samples": len(done) * pool.group_size,
                   "dropped_stale_samples": dropped, **pool.carried(),
                   **staleness(done, pool.version)}
+
+
+PREFETCH_SEED = 104_729  # a prefetch round's seed: its step's, plus this (apart from its calls')
+
+
+@dataclass
+class Prefetch:
+    """A round under way while a step trains (`rollout.overlap`)."""
+
+    pool: Pool
+    call: Round
+    task: asyncio.Future
+
+    async def absorb(self) -> dict[str, int]:
+        """Wait for the round and add its tokens to the pool, as of the version that
+        sampled them (before the step's weights go to the generator)."""
+        return self.pool.absorb(self.call, await self.task)
+
+
+def prefetch(pool: Pool, rows: list[Row], step: int,
+             generate: Callable[[list[list[int]], Any], Awaitable[list[Completion]]],
+             sampling: Any) -> Prefetch | None:
+    """Add step `step`'s prompts (`rows`) to the pool and start the round that continues
+    every unfinished sample by the token budget; `sampling` has step `step`'s seed."""
+    pool.add(rows, step)
+    call = pool.round()
+    if call is None:
+        return None
+    params = replace(sampling, max_new_tokens=call.max_new_tokens,
+                     seed=sampling.seed + PREFETCH_SEED)
+    return Prefetch(pool, call, asyncio.ensure_future(generate(call.prompts, params)))
 
 
 def check_room(longest_prompt: int, max_new_tokens: int, budget: int, model_dir: Any) -> None:

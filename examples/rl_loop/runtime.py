@@ -79,6 +79,9 @@ class Runtime:
             p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         # vLLM logs each weight load at INFO, once a step, over the progress bar
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if run.cpu_threads:  # the procs' torch reads it as it starts (a proc's engines each
+            # run on a thread of their own, each with a team of this many: see README)
+            os.environ["OMP_NUM_THREADS"] = str(run.cpu_threads)
         path = str(self.model_dir)
         slots = run.slots if run.colocate else 2 * run.slots
         self.arbiter = arbiter_config(self.cfg, self.model_dir, torch.cuda.is_available())
