@@ -69,6 +69,7 @@ class Runtime:
         self.reference: Service | None = None
         self.training = asyncio.Lock()  # held from a train step through its weight sync
         self.resyncs = 0  # generator replicas given the weights after a respawn
+        self.threads_before: str | None = None  # OMP_NUM_THREADS before run.cpu_threads ("": unset)
 
     async def start(self, checkpoint: Path | None = None) -> None:
         """Start the runtime and both services; the trainer loads `checkpoint` when given;
@@ -81,6 +82,7 @@ class Runtime:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if run.cpu_threads:  # the procs' torch reads it as it starts (a proc's engines each
             # run on a thread of their own, each with a team of this many: see README)
+            self.threads_before = os.environ.get("OMP_NUM_THREADS", "")
             os.environ["OMP_NUM_THREADS"] = str(run.cpu_threads)
         path = str(self.model_dir)
         slots = run.slots if run.colocate else 2 * run.slots
@@ -149,6 +151,11 @@ class Runtime:
     async def stop(self) -> None:
         """Shut the runtime down, every service with it."""
         await self.rm.shutdown()
+        if self.threads_before is not None:  # later runs in this process start as before
+            if self.threads_before:
+                os.environ["OMP_NUM_THREADS"] = self.threads_before
+            else:
+                os.environ.pop("OMP_NUM_THREADS", None)
 
     def services(self) -> dict[str, Service]:
         """The run's services by tenant name."""
