@@ -17,8 +17,8 @@ moment (the step drawn from the seed, a delay drawn into the phase it hits):
   sync; `kill-during-restart`: a slot proc killed, then the new proc killed again during
   the group's restart (in its hooks, or while the loop reloads the checkpoint);
 - `write-failure`: one rank's checkpoint write fails (its proc's RLIMIT_FSIZE lowered for
-  the write: EFBIG, the "disk full" of one rank); the trainer raises it at the next save,
-  so the run stops naming it, and `run.resume=auto` finishes the run;
+  the write: EFBIG, the "disk full" of one rank); the loop finds it after the next step
+  and saves again there (`examples/rl_loop/saves.py`), and the run goes on;
 - `past-max-restarts`: a kill once the run's restarts are at `run.max_restarts`: the run
   stops naming the cause, and `run.resume=auto` finishes it;
 - `hang`: SIGSTOP of the slot proc while it generates; the run's routed calls bounded by
@@ -72,7 +72,7 @@ MENU = ("kill-generator", "kill-trainer-rank", "kill-reference", "kill-vllm-rank
 PHASE_OF = {"kill-generator": "generate", "kill-vllm-rank": "generate", "hang": "generate",
             "kill-during-restart": "generate", "past-max-restarts": "generate",
             "kill-trainer-rank": "train", "kill-reference": "reference"}
-STOPS = ("write-failure", "past-max-restarts")  # faults that end the run by design
+STOPS = ("past-max-restarts",)  # faults that end the run by design
 HANG_S = 60.0  # the bench's bound on a run making no progress
 CALL_BOUND_S = 5.0  # the services' call_timeout_s in a run with a hang (SIGSTOP)
 MAX_RESTARTS = 1000  # the faulted runs' run.max_restarts (past-max-restarts lowers it)
@@ -238,33 +238,33 @@ def make_loop(cfg: Any, faults: list[Fault]) -> Any:
                                else signal.SIGKILL)
             await super()._readings(label, clock)
 
-        async def _keep(self, done: int) -> None:
+        async def _keep(self, done: int) -> dict[str, Any]:
             self.phase_now = "save"
             fault = self.due("kill-during-save", "write-failure") if self._saves(done) \
                 else None
             if fault is None:
                 return await super()._keep(done)
             if fault.kind == "kill-during-save":
-                await super()._keep(done)
+                notes = await super()._keep(done)
                 trainer = self.checkpoints.path(done) / "trainer"
                 fault.note = (f"the write of {trainer.parent.name} had "
                               f"{'ended' if trainer.exists() else 'not ended'} at the kill")
                 self.fire(fault, self.pid_of(self.trainer, fault.pick), phase="save")
-                return None
+                return notes
             # write-failure: one rank's files limited for the write (EFBIG), then freed
             proc = psutil.Process(self.pid_of(self.trainer, fault.pick))
             limit = proc.rlimit(psutil.RLIMIT_FSIZE)
             proc.rlimit(psutil.RLIMIT_FSIZE, (64 << 10, limit[1]))
             self.fire(fault, proc.pid, sig=0, phase="save")
             try:
-                await super()._keep(done)
+                notes = await super()._keep(done)
                 deadline = time.monotonic() + 10
                 while any(self.checkpoints.path(done).glob(".tmp-*")) and \
                         time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
             finally:
                 proc.rlimit(psutil.RLIMIT_FSIZE, limit)
-            return None
+            return notes
 
         async def handoff(self, real: Any, *args: Any, **kwargs: Any) -> Any:
             self.phase_now = "handoff"
@@ -421,10 +421,13 @@ async def faulted_run(shape: str, faults: list[Fault], args: argparse.Namespace,
         loop, err = await run_once(cfg, pending)
         failed_at = time.time()
         pids |= loop.pids
-        for fault in faults:  # detection: the first restart the runtime began after it
+        # detection: the first restart the runtime began, or failed write the loop found,
+        # after the fault
+        found = sorted([e.detected_at for e in loop.recovery.restarts.events]
+                       + [w["detected_at"] for w in loop.write_failures])
+        for fault in faults:
             if fault.fired_at and fault.detect_s is None:
-                seen = [e.detected_at for e in loop.recovery.restarts.events
-                        if e.detected_at >= fault.fired_at - 0.01]
+                seen = [t for t in found if t >= fault.fired_at - 0.01]
                 fault.detect_s = seen[0] - fault.fired_at if seen else None
         if loop.ended and (resumed_from := [f for f in faults if f.outcome == "stopped"]):
             first = min((t for _, t in loop.ended), default=None)

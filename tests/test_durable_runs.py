@@ -3,6 +3,7 @@ faults around them (a half-written checkpoint, changed settings, a second run)."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -256,3 +257,36 @@ async def test_a_killed_slot_proc_restarts_the_group_and_the_run_ends_as_if_neve
     events.Reload()
     assert [e.step for e in events.Scalars("run/restarts")] == [3]
     assert [e.step for e in events.Scalars("rl/reward")] == [0, 1, 2, 3, 4]  # 2 redone once
+
+
+class WriteFailingLoop(Loop):
+    """Its trainer proc's file size limited to 64 KiB during the save after step 2: the
+    checkpoint's background write fails (EFBIG, as a full disk would), for real."""
+
+    async def _keep(self, done: int) -> dict:
+        if done != 2:
+            return await super()._keep(done)
+        proc = psutil.Process(self.trainer.replicas[0].allocation.pids[0])
+        limit = proc.rlimit(psutil.RLIMIT_FSIZE)
+        proc.rlimit(psutil.RLIMIT_FSIZE, (64 << 10, limit[1]))
+        try:
+            notes = await super()._keep(done)
+            while await self.trainer.poll_checkpoint.route() == "writing":
+                await asyncio.sleep(0.01)  # the write ends (fails) under the limit
+        finally:
+            proc.rlimit(psutil.RLIMIT_FSIZE, limit)
+        return notes
+
+
+async def test_a_failed_checkpoint_write_is_saved_again_at_the_next_step(tmp_path):
+    """The write of step 2's checkpoint fails in the background: the step after finds it
+    and saves step 3 at once (not at the next save, step 4), notes it in its row, and the
+    run goes on to the end; a later fault would redo at most run.save_every steps."""
+    cfg = load_config(overrides=["run.seed=7", "run.eval_every=4", "run.save_every=2",
+                                 "run.steps=4", "run.keep_last=4", f"run.out={tmp_path}"])
+    await WriteFailingLoop(cfg).run()
+    rewritten = rows(tmp_path)[2]["checkpoint_rewritten"]
+    assert (rewritten["step"], rewritten["found_at"]) == (2, 3), rewritten
+    assert "saving checkpoint" in rewritten["cause"] and "too large" in rewritten["cause"]
+    complete = [p.name for p in Checkpoints(tmp_path / "checkpoints", 4).complete()]
+    assert complete == ["step_00000003", "step_00000004"]  # step 2's never was

@@ -8,9 +8,10 @@ one, so a switch is one segment: one message), and for each segment, in order:
   the plan after its own calls in flight; `TenantActor` makes the plan wait for the other
   tenants' calls), with the plan's deadline. While it waits the arbiter watches the
   process; if it dies, or the answer is late, the step it was at is read from the
-  process's progress file, and its tenants are lost (the proc died) or the failure says
-  where it hung. Later plans of the same request for that process (the rollback) go to
-  the same actor, so they queue behind a plan that still runs.
+  process's progress file, and its tenants are lost: a proc that did not answer within
+  `ArbiterConfig.call_timeout_s` is taken for hung and killed (`kill_hung`), so that its
+  group restarts as after a crash, not a switch waiting on it again. Later plans of the
+  same request for that process (the rollback) go to the same actor.
 - tenants of the arbiter's own process (`LocalTenantHandle`, test handles): the plan's
   steps run here, each call watched the same way.
 
@@ -22,8 +23,11 @@ the loss of a proc's tenants (`lose`), which the arbiter uses for its other call
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import os
 import random
+import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -53,10 +57,10 @@ AFTER_LOSS = ("To use slot {slot} again, remove its lost tenants (rm.remove) and
               "procs (rm.release(group), then allocate again)")
 
 
-def lose(slot: Slot, pid: int, during: str) -> TenantLostError:
+def lose(slot: Slot, pid: int, during: str, why: str | None = None) -> TenantLostError:
     """Mark every tenant of process `pid` on `slot` lost (asleep: a dead process holds
-    nothing), and return the error that says so."""
-    why = f"its proc, pid {pid}, died during {during}"
+    nothing), and return the error that says so (`why`: other than that it died)."""
+    why = why or f"its proc, pid {pid}, died during {during}"
     names = [n for n, info in slot.infos.items() if info.pid == pid]
     for name in names:
         slot.lost.setdefault(name, why)
@@ -65,6 +69,15 @@ def lose(slot: Slot, pid: int, during: str) -> TenantLostError:
     forget_progress(pid)
     return TenantLostError(f"{' and '.join(names)} lost on slot {slot.index}: {why}. "
                            + AFTER_LOSS.format(slot=slot.index), slot.index, tuple(slot.lost))
+
+
+def kill_hung(slot: Slot, pid: int, during: str, timeout_s: float) -> TenantLostError:
+    """Process `pid` did not answer within `timeout_s` at `during`: SIGKILL it (a stopped
+    one too; the arbiter runs on the slots' host) and lose its tenants."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return lose(slot, pid, during, f"its proc, pid {pid}, did not answer within {timeout_s} "
+                f"s at {during} (hung) and was killed")
 
 
 async def watched(timeout_s: float, what: str | Callable[[], str], call: Awaitable[T],
@@ -180,11 +193,11 @@ class Courier:
             index, label = where()
             return PlanResult(done=index, failure=Failure(index, label, "lost", str(err),
                                                           error=err))
-        except ArbiterTimeoutError as err:
+        except ArbiterTimeoutError:
             index, label = where()
-            return PlanResult(done=index, failure=Failure(
-                index, label, "timeout", f"no answer within {self.config.call_timeout_s} s; "
-                f"the proc was at {label} (busy or hung there)", error=err))
+            lost = kill_hung(slot, pid, label, self.config.call_timeout_s)
+            return PlanResult(done=index, failure=Failure(index, label, "lost", str(lost),
+                                                          error=lost))
         except Exception as err:  # Monarch reports the actor or its proc failed
             index, label = where()
             if not telemetry.process_runs(pid):

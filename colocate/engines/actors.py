@@ -128,6 +128,12 @@ class TrainerActor(TenantActor):
         return self.trainer.wait_checkpoint()
 
     @endpoint
+    def poll_checkpoint(self) -> str | None:
+        """`PolicyTrainer.poll_checkpoint`: "writing", "written" (ended: `wait_checkpoint`
+        says how) or None. Rank 0's answer is the service's."""
+        return self.trainer.poll_checkpoint()
+
+    @endpoint
     def load_checkpoint(self, path: str) -> None:
         """Load a checkpoint saved by any world size (`PolicyTrainer.load_checkpoint`).
         Every rank."""

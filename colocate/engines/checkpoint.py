@@ -81,6 +81,8 @@ from colocate.engines.checkpoint_files import (  # noqa: F401  (this module's su
     write_frame,
 )
 
+WRITING, WRITTEN = "writing", "written"  # what `poll` says of a save in flight
+
 if TYPE_CHECKING:
     from colocate.arbiter.tenant import TaggedTenant
 
@@ -308,6 +310,12 @@ class Checkpointer:
                 f"temporary directory was removed and nothing was written under {path} "
                 f"(earlier checkpoints are untouched): {hint}") from error
         return str(path)
+
+    def poll(self) -> str | None:
+        """See `PolicyTrainer.poll_checkpoint`."""
+        with self._lock:
+            inflight = self._inflight
+        return None if inflight is None else WRITTEN if inflight.done() else WRITING
 
     def wait(self) -> str | None:
         """See `PolicyTrainer.wait_checkpoint`."""

@@ -156,6 +156,11 @@ class PolicyTrainer:
         A failed write raises `CheckpointError` here, naming the path."""
         return self.checkpoints.wait()
 
+    def poll_checkpoint(self) -> str | None:
+        """The save in flight, without waiting: "writing", "written" (ended, well or not:
+        `wait_checkpoint` says which), or None when none is in flight."""
+        return self.checkpoints.poll()
+
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Load parameters, AdamW state, `steps` and RNG states from `path` (saved by any
         world size and parallel: DCP reshards); call it on every rank. Raises a

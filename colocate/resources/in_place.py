@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from colocate.arbiter.actor import remote_errors
-from colocate.arbiter.errors import ArbiterTimeoutError, TenantLostError
+from colocate.arbiter.errors import TenantLostError
 from colocate.monarch_compat import SupervisionError
 
 
@@ -48,13 +48,15 @@ class InPlaceCopies:
 
 async def copy_in_place(target_actors: Any, source: str, target: str,
                         find_lost: Callable[[], Awaitable[dict[str, str]]],
-                        timeout_s: float, poll_s: float) -> int:
+                        kill: Callable[[], Awaitable[None]], timeout_s: float,
+                        poll_s: float) -> int:
     """Have every proc of `target`'s actor mesh take tenant `source`'s weights from its own
     process (`TenantActor.receive`: all at once, as a sharded source's gathers need);
     returns the bytes copied. As the arbiter watches its plans: every `poll_s` the two
     tenants' procs are checked (`find_lost`: a rank that died would leave the others in
     their gathers); a tenant found lost so, or whose actor failed the call, raises
-    `TenantLostError`, a copy not done within `timeout_s` `ArbiterTimeoutError`."""
+    `TenantLostError`, and so does a copy not done within `timeout_s`, its procs taken for
+    hung and killed first (`kill`)."""
     async def call() -> Any:
         async with remote_errors():
             return await target_actors.receive.call(source)
@@ -67,8 +69,9 @@ async def copy_in_place(target_actors: Any, source: str, target: str,
             if not copy.done() and (lost := await find_lost()):
                 raise _lost(source, target, lost)
             if not copy.done() and time.monotonic() >= deadline:
-                raise ArbiterTimeoutError(f"handoff {source} -> {target} in place: no answer "
-                                          f"within {timeout_s} s (busy or hung)")
+                await kill()
+                raise _lost(source, target, {target: f"its procs did not answer within "
+                                                     f"{timeout_s} s (hung) and were killed"})
         try:
             return sum(nbytes for _, nbytes in copy.result().items())
         except Exception as err:

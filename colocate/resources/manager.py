@@ -126,8 +126,7 @@ class ResourceManager:
         self.faults.lost(left, f"its resource group {name!r} was restarted")
         for spawn in left:
             await self.switchboard.unregister(spawn)
-            self._tenant_actors.pop(spawn, None)
-            self.faults.forget(spawn)
+            self._forget(spawn)
         self._watch_procs()
         group, _ = await self.groups.restart(name, grace_s)
         return group
@@ -160,7 +159,7 @@ class ResourceManager:
             await check_importable(allocation.procs, name, actor_class,
                                    list(allocation.slots), allocation.group)
         except BaseException:
-            self.faults.forget(name)
+            self._forget(name)
             self._give_back(allocation)
             raise
         actors = allocation.procs.spawn(name, actor_class, *args, **kwargs)
@@ -190,9 +189,7 @@ class ResourceManager:
                           grace_s: float = 5.0) -> None:
         """Forget a spawn that failed: its tenancy, its name, its actors, its allocation.
         Faults its mesh reports later are ignored (its mesh is no longer tracked)."""
-        self.switchboard.forget(name)
-        self._tenant_actors.pop(name, None)
-        self.faults.forget(name)
+        self._forget(name)
         self._watch_procs()
         await self._stop_actors(name, actors, grace_s)
         self._give_back(allocation)
@@ -204,14 +201,20 @@ class ResourceManager:
         `grace_s` (its proc died unseen) is left behind."""
         preempters = self.switchboard.preempters.actors.get(name)
         await self.switchboard.unregister(name)
-        self._tenant_actors.pop(name, None)
         failed = self.faults.has_failed(name)
-        self.faults.forget(name)
+        self._forget(name)
         self._watch_procs()
         if stop and not failed:
             if preempters is not None:
                 await self._stop_actors(f"{name}_preempt", preempters, grace_s)
             await self._stop_actors(name, actors, grace_s)
+
+    def _forget(self, name: str) -> None:
+        """Forget spawn `name` here, the one place that does: its tenancy in the view, its
+        actors, its faults (the arbiters' side is `Switchboard.unregister`'s)."""
+        self.switchboard.forget(name)
+        self._tenant_actors.pop(name, None)
+        self.faults.forget(name)
 
     def _watch_procs(self) -> None:
         """Have the arbiters watch the procs that run spawns now."""
@@ -293,8 +296,7 @@ class ResourceManager:
         return (await self.switchboard.handoffs(source, [target], keep, first))[target]
 
     async def handoffs(self, source: str, targets: Sequence[str]) -> dict[str, int]:
-        """`handoff` to each of `targets` at once (a sharded source needs them together);
-        where the slots have room for all, the copies alone (`Switchboard.handoffs`)."""
+        """`handoff` to each of `targets` at once (see `Switchboard.handoffs`)."""
         return await self.switchboard.handoffs(source, targets)
 
     def routable(self, name: str, stages: Sequence[str] | None = None) -> bool:
@@ -356,8 +358,7 @@ class ResourceManager:
         longer routable, their names free again)."""
         released = await self.groups.release(group, grace_s)
         for name in self.switchboard.forget_slots(released.slots()):
-            self._tenant_actors.pop(name, None)
-            self.faults.forget(name)
+            self._forget(name)
         self._watch_procs()
 
     async def shutdown(self, grace_s: float = 5.0) -> None:

@@ -274,6 +274,8 @@ class Switchboard:
                 await self._under_way.run(self._drain(touched, copies=False))
                 copied = await self._under_way.run(asyncio.gather(*(copy_in_place(
                     self.actors[t], source, t, lambda: self._find_lost(touched),
+                    lambda: self.kill(sorted({(host, pid) for (host, _), pid in
+                                              self.pids[source].items()})),
                     self.config.call_timeout_s, DRAIN_LIVENESS_S) for t in targets),
                     return_exceptions=True))
                 return _each(targets, copied)

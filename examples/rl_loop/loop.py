@@ -78,6 +78,7 @@ class Loop(Runtime, Saves):
         self.grpo = dataclasses.replace(cfg.grpo,
                                         max_completion_length=self.source.max_new_tokens)
         self.checkpoints = Checkpoints(self.out / "checkpoints", cfg.run.keep_last)
+        self.write_failures = []  # checkpoint writes that failed, each saved again (`saves`)
         self.record = RunRecord(config=as_dict(cfg), logdir=self.out / "tensorboard",
                                 wandb_dir=self.out if cfg.run.wandb else None)
         self.recovery = Recovery(self)  # going on after a lost proc (`start` has it follow)
@@ -203,7 +204,7 @@ class Loop(Runtime, Saves):
                     if prefetched is not None:  # its tokens are this version's: in before the sync
                         rollout["prefetched_tokens"] = (await prefetched.absorb())["tokens"]
                     clock.lap("train")
-                    await self._keep(index + 1)
+                    saved = await self._keep(index + 1)
                     clock.lap("save")
                 await sync_weights(self.trainer, self.generator)
                 if self.pool is not None:
@@ -218,7 +219,7 @@ class Loop(Runtime, Saves):
         moves = await self.moves.since_last(self.services())  # what the switches moved
         clock.lap("readings")
         row = {"step": index, **stats, **metrics, **clock.metrics(switch_ahead_s=ahead_s),
-               **moves, **rollout}
+               **moves, **rollout, **saved}
         row["samples_per_s"] = row["finished_samples"] / row["step_s"]
         if (index + 1) % cfg.run.eval_every == 0 or index + 1 == cfg.run.steps:
             row["eval_reward"] = await self.evaluate(f"the evaluation after step {index}")
