@@ -438,6 +438,11 @@ async def faulted_run(shape: str, faults: list[Fault], args: argparse.Namespace,
                     else None
         pending = list(loop.pending)
         if err is None:
+            for fault in loop.fired:  # in the last step: the run ended whole all the same
+                if fault.kind not in STOPS:
+                    fault.outcome, fault.back_s = "went on", failed_at - fault.fired_at
+                    fault.steps_redone = sum(r["steps_redone"] for r in
+                                             loop.record.restarts[fault.restarts_before:])
             break
         complete = Checkpoints(out / "checkpoints", 2).complete()
         message = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

@@ -260,12 +260,15 @@ async def test_a_killed_slot_proc_restarts_the_group_and_the_run_ends_as_if_neve
 
 
 class WriteFailingLoop(Loop):
-    """Its trainer proc's file size limited to 64 KiB during the save after step 2: the
-    checkpoint's background write fails (EFBIG, as a full disk would), for real."""
+    """Its trainer proc's file size limited to 64 KiB during the first saves after steps 2
+    and 4 (the last): their background writes fail (EFBIG, as a full disk would)."""
+
+    failing = {2, 4}
 
     async def _keep(self, done: int) -> dict:
-        if done != 2:
+        if done not in self.failing:
             return await super()._keep(done)
+        self.failing = self.failing - {done}
         proc = psutil.Process(self.trainer.replicas[0].allocation.pids[0])
         limit = proc.rlimit(psutil.RLIMIT_FSIZE)
         proc.rlimit(psutil.RLIMIT_FSIZE, (64 << 10, limit[1]))
@@ -281,7 +284,8 @@ class WriteFailingLoop(Loop):
 async def test_a_failed_checkpoint_write_is_saved_again_at_the_next_step(tmp_path):
     """The write of step 2's checkpoint fails in the background: the step after finds it
     and saves step 3 at once (not at the next save, step 4), notes it in its row, and the
-    run goes on to the end; a later fault would redo at most run.save_every steps."""
+    run goes on, so a later fault would redo at most run.save_every steps; the last save's
+    write fails too: the run's end saves it again."""
     cfg = load_config(overrides=["run.seed=7", "run.eval_every=4", "run.save_every=2",
                                  "run.steps=4", "run.keep_last=4", f"run.out={tmp_path}"])
     await WriteFailingLoop(cfg).run()
@@ -290,3 +294,7 @@ async def test_a_failed_checkpoint_write_is_saved_again_at_the_next_step(tmp_pat
     assert "saving checkpoint" in rewritten["cause"] and "too large" in rewritten["cause"]
     complete = [p.name for p in Checkpoints(tmp_path / "checkpoints", 4).complete()]
     assert complete == ["step_00000003", "step_00000004"]  # step 2's never was
+    summary = json.loads((tmp_path / "metrics.json").read_text())["summary"]
+    assert [(f["step"], f["found_at"]) for f in summary["checkpoint_write_failures"]] == \
+        [(2, 3), (4, 4)]
+    assert LoopState.read(tmp_path / "checkpoints" / "step_00000004" / "loop.json").step == 4

@@ -266,7 +266,7 @@ class Loop(Runtime, Saves):
         try:
             await self._train(first_step)
             async with phase(self.trainer):  # the last save finishes; the model goes out
-                await self.trainer.wait_checkpoint.route()
+                await self._last_save(self.cfg.run.steps)
                 await self.trainer.export_model.route(str(self.out / "model"))
             self.checkpoints.prune()
         except BaseException as err:
@@ -284,6 +284,10 @@ class Loop(Runtime, Saves):
                             restarts=len(self.record.restarts), task=self.source.summary,
                             peaks=None if self.reference is None else self.peaks,
                             budget=budget_summary(self.cfg, self.arbiter, self.model_dir))
+        if self.write_failures:  # each saved again at once (`saves.py`)
+            summary["checkpoint_write_failures"] = [
+                {k: v for k, v in failure.items() if k != "detected_at"}
+                for failure in self.write_failures]
         self.record.write(self.out, summary)
         return summary
 

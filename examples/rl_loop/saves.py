@@ -70,10 +70,21 @@ class Saves:
             await self.trainer.export_model.route(str(self.out / "model"))
         return notes
 
-    async def _write_failed(self, done: int) -> dict[str, Any] | None:
-        """The write of the checkpoint being written, if it ended and failed (found after
-        step `done`): logged and kept in `write_failures`."""
-        if self.writing is None or await self.trainer.poll_checkpoint.route() == WRITING:
+    async def _last_save(self, done: int) -> None:
+        """At the end, the trainer awake after its `done`-th step: the last save's write
+        waited for; one that failed is saved again, waited for (a second failure stops the
+        run, naming it)."""
+        if await self._write_failed(done, wait=True):
+            self.rewritten = done
+            await self._keep(done)  # the step's directory anew: its loop state goes too
+            await self.trainer.wait_checkpoint.route()
+            self._keep_loop_state(done)
+
+    async def _write_failed(self, done: int, wait: bool = False) -> dict[str, Any] | None:
+        """The write of the checkpoint being written, if it ended (with `wait`: once it
+        ends) and failed (found after step `done`): logged and kept in `write_failures`."""
+        if self.writing is None or not wait and \
+                await self.trainer.poll_checkpoint.route() == WRITING:
             return None
         step, self.writing = self.writing, None
         try:
