@@ -6,7 +6,7 @@ switch may put to sleep as switching (`awake_now` is False for them), lets its w
 (services) drain their calls in flight, asks each host's arbiter in parallel, and keeps the
 hosts' answers as its view (`HostView`): each tenant's stages awake on all its slots, and
 the slots that have nothing to decide (roomy). A wake the view says has nothing to do is
-skipped; a handoff on roomy slots is the copy alone (`in_place`). Under a policy that
+skipped; a handoff on roomy slots is the copy alone (`handoffs`). Under a policy that
 measures, a wake of some stages of a tenant (or a handoff to it) may put its others to
 sleep: it marks the tenant itself switching too. Watchers hear of each change of the view.
 Tenants an arbiter finds lost are reported to `on_lost` at once, from a switch's error or
@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from colocate.abortable import Abortable
@@ -34,16 +34,15 @@ from colocate.arbiter.errors import (
 from colocate.arbiter.host import Arbiter, HostStatus, HostView
 from colocate.arbiter.slot import SlotTraffic
 from colocate.resources.groups import Allocation
-from colocate.resources.in_place import InPlaceCopies, copy_in_place
+from colocate.resources.handoffs import DRAIN_LIVENESS_S, Handoffs, InPlaceCopies
 from colocate.resources.preempting import Preempters
 from colocate.resources.procs import SlotProcs, bootstrap_command, rank_of, select, stop_procs
 from colocate.resources.watcher import Watcher
 
-DRAIN_LIVENESS_S = 0.25  # while a drain waits: how often the drained tenants' procs are checked
 logger = logging.getLogger(__name__)
 
 
-class Switchboard:
+class Switchboard(Handoffs):
     """The arbiters of a runtime's hosts, the tenants registered with them, and the view."""
 
     def __init__(self, config: ArbiterConfig,
@@ -208,81 +207,6 @@ class Switchboard:
         await self._switch({name}, lambda: {
             h: self.arbiter(h).sleep.call_one(name, slots) for h, slots in by_host.items()})
 
-    async def handoffs(self, source: str, targets: Sequence[str],
-                       keep: list[str] | None = None, first: list[str] | None = None
-                       ) -> dict[str, int]:
-        """Pass `source`'s weights to each of `targets` on every slot they share, staged
-        (see `SlotArbiter.handoff`), all at once (a sharded source gathers each bucket on
-        all its ranks together); returns the bytes copied per target, or raises the first
-        failure once all have ended. Afterwards the targets are awake and `source` asleep
-        there (under a budget: awake where it fits). Where every slot of `source` is roomy,
-        the copies are all there is to do: made in place with no switch (`in_place`)."""
-        for target in targets:
-            self._check_handoff(source, target)
-        if self.measures and all(s in self.roomy for s in self.tenants[source]) \
-                and all(self.awake_now(t) for t in targets) \
-                and self.awake_now(source, keep or ("weights",)):
-            return await self._copy_in_place(source, list(targets))
-        return _each(targets, await asyncio.gather(
-            *(self._hand_off(source, t, keep, first) for t in targets), return_exceptions=True))
-
-    def _check_handoff(self, source: str, target: str) -> None:
-        """Refuse a handoff between tenants that do not share all the target's procs."""
-        self._by_host(target)
-        self._by_host(source)  # an unknown source fails here
-        apart = set(self.tenants[target]) - set(self.tenants[source])
-        if apart:
-            raise ArbiterError(f"handoff {source} -> {target}: {source} is not on {target}'s "
-                               f"(host, slot)s {sorted(apart)}; colocate them in one resource "
-                               "group, or sync through shared memory (services.sync_weights)")
-        other_procs = sorted(slot for slot, pid in self.pids[target].items()
-                             if self.pids[source][slot] != pid)
-        if other_procs:  # e.g. one of them was respawned on new procs for the same slots
-            raise ArbiterError(f"handoff {source} -> {target}: on (host, slot)s {other_procs} "
-                               "they live in different processes (a handoff copies within "
-                               "one); sync through shared memory (services.sync_weights does "
-                               "for replicas on other procs)")
-
-    async def _hand_off(self, source: str, target: str, keep: list[str] | None,
-                        first: list[str] | None) -> int:
-        """One handoff through the arbiters of `target`'s hosts."""
-        copied = 0
-
-        async def on(host: int, slots: list[int]) -> HostView:
-            nonlocal copied
-            moved, view = await self.arbiter(host).handoff.call_one(
-                source, target, slots, keep, first)
-            copied += moved
-            return view
-
-        touched = self._neighbours(target) | {source}
-        if self.measures:
-            touched.add(target)  # its stages beyond the weights may sleep to make room
-        await self._holding(target, self._switch(
-            touched, lambda: {h: on(h, slots) for h, slots in self._by_host(target).items()}))
-        return copied
-
-    async def _copy_in_place(self, source: str, targets: list[str]) -> dict[str, int]:
-        """The `targets` take `source`'s weights in their procs, with no switch: all are
-        marked switching (routing to them waits), their calls in flight drained, and
-        switches of any wait for the copies (`InPlaceCopies`); each watched as the
-        arbiter watches a plan (`copy_in_place`)."""
-        touched = {source, *targets}
-        self._switching.update(touched)
-        try:
-            async with self.copies.running_on(touched):
-                await self._under_way.run(self._drain(touched, copies=False))
-                copied = await self._under_way.run(asyncio.gather(*(copy_in_place(
-                    self.actors[t], source, t, lambda: self._find_lost(touched),
-                    lambda: self.kill(sorted({(host, pid) for (host, _), pid in
-                                              self.pids[source].items()})),
-                    self.config.call_timeout_s, DRAIN_LIVENESS_S) for t in targets),
-                    return_exceptions=True))
-                return _each(targets, copied)
-        finally:
-            self._switching.subtract(touched)
-            self._changed()
-
     def _neighbours(self, name: str) -> set[str]:
         """The tenants that share a slot with `name`: a wake of `name` may put them to sleep."""
         mine = set(self.tenants[name])
@@ -422,11 +346,3 @@ class Switchboard:
         for watcher in list(self.watchers):
             watcher.changed()
 
-
-def _each(targets: Sequence[str], results: list[int | BaseException]) -> dict[str, int]:
-    """Bytes copied per target, or the first failure (each failed handoff rolled its slots
-    back; the others are done)."""
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return dict(zip(targets, results, strict=True))  # type: ignore[arg-type]
