@@ -127,6 +127,30 @@ def one_trim_a_sleep_scenario() -> dict:
     return out
 
 
+def capped_pause_scenario() -> dict:
+    """Pauses of a CPU tag with and without a declared slot capacity: how many times each
+    gives back the allocators' memory."""
+    from colocate.memory import registry
+
+    trims: list[str] = []
+    trim = registry.release_cached
+
+    def counted() -> None:
+        trims.append("trim")
+        trim()
+
+    registry.release_cached = counted
+    memory.adopt(_filled(MiB, seed=20), "capped/alone")
+    memory.set_capacity(64 * MiB)
+    memory.pause("capped/alone")
+    out = {"capped": len(trims)}
+    memory.set_capacity(None)
+    memory.resume("capped/alone")
+    memory.pause("capped/alone")
+    out["uncapped"] = len(trims) - out["capped"]
+    return out
+
+
 def storage_walks_scenario() -> dict:
     """How often a pause, a resume and a tenant's sleep walk a tag's storages (each walk
     revives every storage of the tag: a switch's pauses paid for two per tag)."""
@@ -207,6 +231,12 @@ def test_a_sleep_of_several_stages_trims_once_and_reads_after_the_trim(isolated)
     assert out["lone_pause_trims"] == 1
     assert out["tags"] == ["trimmed/grads", "trimmed/weights"]
     assert all(drop >= 48 * MiB for drop in out["drops"]), out
+
+
+def test_a_cpu_pause_under_a_slot_capacity_leaves_mallocs_free_lists(isolated):
+    """A CPU slot's budget counts tagged memory only: its pauses do not trim the heap (the
+    next train step would fault it back in); without a capacity they still do."""
+    assert isolated(capped_pause_scenario) == {"capped": 0, "uncapped": 1}
 
 
 def test_bad_transitions_raise_and_the_process_goes_on():

@@ -72,7 +72,7 @@ def roomy(slot: Slot, config: ArbiterConfig, policy: Policy) -> bool:
     """Whether the slot has nothing to decide: under a policy that measures, every live
     tenant is wholly awake (none unknown) and the free memory holds every declared working
     memory at once (`growth_bound`), so no wake has anything to do and weights may be copied
-    in place without a switch (`Switchboard.handoff`)."""
+    in place without a switch (`Handoffs.handoffs`)."""
     live = [n for n in slot.infos if n not in slot.lost]
     if not policy.measures or not live or slot.unknown or not all(
             set(slot.awake.get(n, ())) >= set(slot.infos[n].stages) for n in live):
