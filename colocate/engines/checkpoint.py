@@ -10,11 +10,9 @@ The directory (DCP's files, `trainer.json`, the model's frame under `hf/`, so a 
 alone is enough to export a model) and the errors are `checkpoint_files`'. Durability:
 
 - Asynchronous: `save(..., wait=False)` returns once the state is staged, a real copy in
-  host memory (DCP's `BlockingAsyncStager`: new CPU tensors, then a copy; changing the
-  weights afterwards does not change what is written), then DCP writes it from a
-  background thread. The staged copy is dropped and the allocator's memory given back
-  (`memory.release_cached`) once the write is done. At most one save is in flight: a new
-  save or load first finishes the previous one (and raises its error, if it failed).
+  host memory (DCP's `BlockingAsyncStager`), then DCP writes it from a background thread;
+  the staged copy goes once the write is done. At most one save is in flight (`poll` says
+  whether it ended): a new save or load first finishes it (raising its error, if any).
 - Atomic: every rank writes into one sibling temporary directory
   (`<parent>/.tmp-<name>-<unique>`); once DCP has every rank's part and `.metadata`,
   rank 0 renames it to `path` (an existing `path` is swapped out, then removed). A failed
@@ -24,10 +22,8 @@ alone is enough to export a model) and the errors are `checkpoint_files`'. Durab
   interleaves with the training collectives on the default group.
 
 The trainer must be awake (its "weights" and "optimizer" stages) to save or load: a
-sleeping trainer's tensors are paused memory (zeros or unmapped), so saving them would
-write garbage and loading into them would be undone by the next wake. Both refuse with
-`TagPausedError`, whose message says how to wake the tenant; waking for a save is the
-caller's decision (it costs the generator its memory), not something done behind its back.
+sleeping trainer's tensors are paused memory, so both refuse with `TagPausedError`, whose
+message says how to wake it (waking costs the generator its memory: the caller decides).
 
 Loading reads into a fresh state dict first and sets the trainer's tensors only once every
 byte was read: a truncated or corrupt checkpoint raises `CorruptCheckpointError` and leaves
@@ -275,11 +271,7 @@ class Checkpointer:
                 group: dist.ProcessGroup | None) -> str:
         """In the background: wait for DCP's write on this rank, agree with the other
         ranks that every part is written, then rank 0 renames the directory into place."""
-        try:
-            upload.result()
-            error = None
-        except BaseException as err:
-            error = err
+        error = upload.exception()  # waits for the write
         del upload
         stager.release()  # the write is over: the staged copy goes, its memory back
         memory.release_cached()

@@ -38,11 +38,7 @@ from colocate.monarch_compat import endpoint_names, mesh_name
 from colocate.resources.faults import Faults
 from colocate.resources.groups import Allocation, Group, Groups
 from colocate.resources.hosts import HostJob
-from colocate.resources.packing import (
-    Inventory,
-    ResourceError,
-    ResourceRequest,
-)
+from colocate.resources.packing import Inventory, ResourceError, ResourceRequest
 from colocate.resources.proc_watch import ProcWatch
 from colocate.resources.procs import rank_of
 from colocate.resources.spawning import check_importable, check_started
