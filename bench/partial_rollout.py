@@ -15,7 +15,9 @@ samples and along the cumulative step time; the gaps (sync minus partial) are re
 same number of samples and at the same time, the shorter arm's end, by linear interpolation
 between evaluations.
 
-    .venv/bin/python -m bench.partial_rollout [--steps 60] [--out FILE]
+    .venv/bin/python -m bench.partial_rollout [--steps 60] [--engine vllm] [--out FILE]
+
+`--engine vllm` runs both arms on vLLM's CPU engine over 2 slots (one replica a slot).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "examples" / "rl_loop" / "long_ta
 COMMON = ["grpo.updates_per_batch=1", "run.save_every=0", "run.resume=none"]
 # partial: the next step's first round generated while one trains (rollout.overlap)
 ARMS = {"sync": [], "partial": ["rollout.overlap=true"]}
+ENGINES = {"torch": [], "vllm": ["run.engine=vllm", "run.slots=2"]}
 SPANS = ("generate_s", "score_s", "train_s", "switch_s", "sync_s", "save_s")
 
 
@@ -76,11 +79,12 @@ def warm_start(work: Path, steps: int, seed: int = 0) -> Path:
     return path
 
 
-def run_arm(mode: str, model: Path, out: Path, steps: int, eval_every: int) -> dict[str, Any]:
+def run_arm(mode: str, model: Path, out: Path, steps: int, eval_every: int,
+            engine: list[str]) -> dict[str, Any]:
     """One run of the loop (its own process); its metrics.json, and its wall time."""
     command = [sys.executable, "-m", "examples.rl_loop", "--config", str(CONFIG),
                f"model.path={model}", f"rollout.mode={mode}", *ARMS[mode], f"run.steps={steps}",
-               f"run.eval_every={eval_every}", f"run.out={out}", *COMMON]
+               f"run.eval_every={eval_every}", f"run.out={out}", *COMMON, *engine]
     began = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True)
     wall = time.monotonic() - began
@@ -139,6 +143,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="GRPO steps per run")
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--warm-steps", type=int, default=150, help="the copy fit's steps")
+    parser.add_argument("--engine", choices=("torch", "vllm"), default="torch",
+                        help="the generator (vllm: 2 slots)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     machine, command = announce()
@@ -149,7 +155,8 @@ def main() -> None:
         print(f"warm start: {args.warm_steps} copy steps in {time.monotonic() - began:.1f} s")
         runs: dict[str, list[dict[str, Any]]] = {"sync": [], "partial": []}
         for i, mode in enumerate(("sync", "partial", "partial", "sync")):  # A B B A
-            metrics = run_arm(mode, model, work / f"{i}_{mode}", args.steps, args.eval_every)
+            metrics = run_arm(mode, model, work / f"{i}_{mode}", args.steps, args.eval_every,
+                              ENGINES[args.engine])
             runs[mode].append(metrics)
             rows = metrics["steps"][1:]
             print(f"{mode}: {sum(r['finished_samples'] for r in rows)} samples in "
@@ -160,7 +167,7 @@ def main() -> None:
     same_time = min(sync["eval_by_time"][-1][0], partial["eval_by_time"][-1][0])
     result = {
         "machine": machine, "command": command, "config": str(CONFIG), "common": COMMON,
-        "steps": args.steps, "warm_steps": args.warm_steps,
+        "steps": args.steps, "warm_steps": args.warm_steps, "engine": args.engine,
         "samples_per_s_ratio": partial["samples_per_s"] / sync["samples_per_s"],
         "eval_gap_same_samples": at(sync["eval_by_samples"], same_samples)
         - at(partial["eval_by_samples"], same_samples),

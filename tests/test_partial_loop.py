@@ -1,12 +1,14 @@
 """The RL loop's partial mode (issue 37): a token budget per step, unfinished samples carried
-over and continued on newer weights, a run that repeats and resumes as the same run, and
-the sync mode as it was."""
+over and continued on newer weights, a run that repeats and resumes as the same run (also
+after a killed proc), and the sync mode as it was."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -96,6 +98,31 @@ async def test_with_overlap_the_next_round_runs_while_a_step_trains_and_resumes_
     assert figures(resumed) == figures(whole)
     with pytest.raises(ValueError, match="rollout.overlap=true .* needs rollout.mode=partial"):
         load_config(CONFIG, ["rollout.overlap=true"])
+    # the slot proc killed as step 3 generates (a round under way, samples carried): the
+    # group restarts, the loop goes back to step 2's checkpoint, and the run is the same
+    killing = KillingLoop(load_config(CONFIG, [*SMALL, f"run.out={tmp_path / 'killed'}",
+                                               "run.steps=4", "run.save_every=2", *overlap]))
+    await killing.run()
+    killed = json.loads((tmp_path / "killed" / "metrics.json").read_text())
+    assert killing.killed and [r["resumed_at"] for r in killed["restarts"]] == [2]
+    assert figures(killed["steps"]) == figures(whole)
+
+
+class KillingLoop(Loop):
+    """SIGKILLs the generator's proc (the trainer's too: they share it) as step 3's first
+    generate call goes out."""
+
+    index, killed = -1, 0
+
+    async def step(self, index: int) -> dict:
+        self.index = index
+        return await super().step(index)
+
+    async def generate_ids(self, tokens: list, params) -> list:
+        if self.index == 3 and not self.killed:
+            self.killed = self.generator.replicas[0].allocation.pids[0]
+            os.kill(self.killed, signal.SIGKILL)
+        return await super().generate_ids(tokens, params)
 
 
 async def test_sync_mode_is_unchanged(tmp_path):
