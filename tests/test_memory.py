@@ -94,10 +94,9 @@ def freed_scratch_scenario() -> dict:
             "recorded": event.before_bytes - event.after_bytes}
 
 
-def one_trim_a_sleep_scenario() -> dict:
-    """A two-stage tenant's sleep after it freed 64 MiB of small scratch tensors: how many
-    times it gives back the allocators' memory, and what its two pauses record."""
-    from colocate.arbiter.tenant import TaggedTenant
+def counted_trims() -> list[str]:
+    """A list that grows by one each time this process gives back the allocators' memory
+    (`release_cached`) from now on (an isolated scenario's own process)."""
     from colocate.memory import registry
 
     trims: list[str] = []
@@ -108,6 +107,15 @@ def one_trim_a_sleep_scenario() -> dict:
         trim()
 
     registry.release_cached = counted
+    return trims
+
+
+def one_trim_a_sleep_scenario() -> dict:
+    """A two-stage tenant's sleep after it freed 64 MiB of small scratch tensors: how many
+    times it gives back the allocators' memory, and what its two pauses record."""
+    from colocate.arbiter.tenant import TaggedTenant
+
+    trims = counted_trims()
     tenant = TaggedTenant({"weights": "trimmed/weights", "grads": "trimmed/grads"},
                           backup={"weights": True, "grads": False})
     kept = [_filled(MiB, seed=10), _filled(MiB, seed=11)]
@@ -130,16 +138,7 @@ def one_trim_a_sleep_scenario() -> dict:
 def capped_pause_scenario() -> dict:
     """Pauses of a CPU tag with and without a declared slot capacity: how many times each
     gives back the allocators' memory."""
-    from colocate.memory import registry
-
-    trims: list[str] = []
-    trim = registry.release_cached
-
-    def counted() -> None:
-        trims.append("trim")
-        trim()
-
-    registry.release_cached = counted
+    trims = counted_trims()
     memory.adopt(_filled(MiB, seed=20), "capped/alone")
     memory.set_capacity(64 * MiB)
     memory.pause("capped/alone")
