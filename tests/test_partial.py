@@ -217,3 +217,44 @@ async def test_preempt_bound_unsupported_and_unpreemptible_calls(caplog):
             assert not out["early"] and took > 0.9 and failed is None
         said = [r for r in caplog.records if "cannot stop them early" in r.getMessage()]
         assert len(said) == 1 and "spinner_r0" in said[0].getMessage()
+
+
+@pytest.mark.usefixtures("procs_import_tests")
+async def test_a_preempted_call_whose_proc_dies_ends_as_a_lost_call():
+    """A preempt asked of a call that has not returned yet (`ignore`: it goes on), then its
+    proc SIGKILLed: the call ends as any lost call (its replica's `ReplicaLostError`; no
+    partial result taken for a whole one, no hang), and the switch that asked ends too,
+    naming the tenant."""
+    import os
+    import signal
+
+    from preemptible import SpinTenant
+
+    from colocate.arbiter import ArbiterError
+    from services import ServiceUnavailableError
+
+    async with start_runtime(gpus_per_host=1, arbiter=ArbiterConfig(preempt_timeout_s=20)):
+        spinner = await spawn_service(ServiceConfig(resource_group="g", max_retries=0),
+                                      SpinTenant, 1, name="spinner")
+        other = await spawn_service(ServiceConfig(resource_group="g"), MemoryTenant, 1,
+                                    name="other")
+        async with phase(spinner):
+            await spinner.set_mode.route("ignore")
+            running = asyncio.ensure_future(spinner.spin.route(30.0))
+            await asyncio.sleep(0.3)
+
+        async def switch() -> None:
+            async with phase(other, preempt=True):
+                pass
+
+        switching = asyncio.ensure_future(switch())
+        await asyncio.sleep(0.5)  # the preempt is asked; the call goes on
+        assert not running.done() and not switching.done()
+        os.kill(spinner.replicas[0].allocation.pids[0], signal.SIGKILL)
+        with pytest.raises(ServiceUnavailableError, match="ReplicaLostError: replica 0 of "
+                           "service 'spinner' failed while this call was in flight"):
+            await asyncio.wait_for(running, 30)  # as any routed call lost (max_retries=0)
+        # `other` shared the killed proc: the switch ends naming it (lost, or, once its
+        # service respawned it under a new name, no longer registered)
+        with pytest.raises(ArbiterError, match="other_r0"):
+            await asyncio.wait_for(switching, 30)
