@@ -5,7 +5,7 @@ checks) and, in every process of the run, wraps the functions a switch passes th
 recording each call's wall start, wall seconds and CPU seconds of its thread
 (`time.thread_time`: what other jobs' load moves much less than wall time):
 
-- client: `Switchboard.wake` (the loop's `switch_s`), `Switchboard.handoff` (its
+- client: `Switchboard.wake` (the loop's `switch_s`), `Switchboard.handoffs` (its
   `sync_s`), the drain of the services' calls in flight;
 - arbiter proc: `SlotArbiter.wake`/`handoff` (the request), `Courier._send` (the plan's
   round trip to the tenant proc);
@@ -68,7 +68,7 @@ ARBITER = [
 CLIENT = [
     ("colocate.resources.switching", "Switchboard._drain"),
     ("colocate.resources.switching", "Switchboard.wake"),
-    ("colocate.resources.switching", "Switchboard.handoff"),
+    ("colocate.resources.switching", "Switchboard.handoffs"),
 ]
 POLL_STEPS = 100
 PAGE = 4096
@@ -102,24 +102,30 @@ def _wrap(owner: Any, attr: str, label: str) -> None:
     setattr(owner, attr, timed)
 
 
+def find(module_name: str, qualname: str) -> tuple[Any, str]:
+    """The owner of the function `module_name.qualname` and its name there. One that is not
+    there (renamed or moved) fails the bench, naming it: a part left out silently would
+    read as a part that costs nothing."""
+    owner: Any = importlib.import_module(module_name)
+    *path, attr = qualname.split(".")
+    try:
+        for part in path:
+            owner = getattr(owner, part)
+        getattr(owner, attr)
+    except AttributeError:
+        raise AttributeError(f"bench/switch_parts.py times {module_name}.{qualname}, "
+                             "which is not there any more: update TENANT, ARBITER or "
+                             "CLIENT to where that part is now") from None
+    return owner, attr
+
+
 def install(targets: list[tuple[str, str]]) -> list[str]:
-    """Time `targets` in this process, and its gc pauses; returns the labels of the parts
-    timed. A target that is not there (renamed or moved) fails the bench, naming it: a
-    part left out silently would read as a part that costs nothing."""
+    """Time `targets` in this process (each `find`s), and its gc pauses; returns the labels
+    of the parts timed."""
     done = []
     for module_name, qualname in targets:
-        owner: Any = importlib.import_module(module_name)
-        *path, attr = qualname.split(".")
-        try:
-            for part in path:
-                owner = getattr(owner, part)
-            getattr(owner, attr)
-        except AttributeError:
-            raise AttributeError(f"bench/switch_parts.py times {module_name}.{qualname}, "
-                                 "which is not there any more: update TENANT, ARBITER or "
-                                 "CLIENT to where that part is now") from None
         label = f"{module_name.rsplit('.', 1)[-1]}.{qualname}"
-        _wrap(owner, attr, label)
+        _wrap(*find(module_name, qualname), label)
         done.append(label)
     pauses = _times.setdefault("gc", [])
     started: dict[str, float] = {}
@@ -196,7 +202,7 @@ async def run(steps: int, out: Path) -> dict[str, Any]:
                   for r in svc.replicas}
         timers = [loop.rm.group(g).procs.spawn("parts_timer", Timer, "tenant")
                   for g in sorted(groups)]
-        timers.append(loop.rm.switchboard._procs.procs.spawn("parts_timer", Timer, "arbiter"))
+        timers.append(loop.rm.arbiter_procs.spawn("parts_timer", Timer, "arbiter"))
 
         async def collect(done: int) -> None:
             for timer in timers:

@@ -68,6 +68,11 @@ class Group:
         return {self.slot(h, p) for h in range(len(self.placement.hosts))
                 for p in range(self.placement.procs_per_host)}
 
+    def host_pids(self) -> set[tuple[int, int]]:
+        """(host, pid) of every proc of the group (`pids` is in mesh order, host-major)."""
+        per_host = self.placement.procs_per_host
+        return {(self.placement.hosts[i // per_host], pid) for i, pid in enumerate(self.pids)}
+
 
 class Groups:
     """The placed resource groups of one runtime and the procs they started."""

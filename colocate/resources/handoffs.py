@@ -89,20 +89,19 @@ class Handoffs:
     async def _copy_in_place(self, source: str, targets: list[str]) -> dict[str, int]:
         """The `targets` take `source`'s weights in their procs, with no switch: all are
         marked switching (routing to them waits), their calls in flight drained, and
-        switches of any wait for the copies (`InPlaceCopies`); each watched as the
-        arbiter watches a plan (`copy_in_place`)."""
+        switches of any wait for the copies (`InPlaceCopies`); all watched together
+        as the arbiter watches a plan (`copy_in_place`)."""
         touched = {source, *targets}
         self._switching.update(touched)
         try:
             async with self.copies.running_on(touched):
                 await self._under_way.run(self._drain(touched, copies=False))
-                copied = await self._under_way.run(asyncio.gather(*(copy_in_place(
-                    self.actors[t], source, t, lambda: self._find_lost(touched),
+                return await self._under_way.run(copy_in_place(
+                    source, {t: self.actors[t] for t in targets},
+                    lambda: self._find_lost(touched),
                     lambda: self.kill(sorted({(host, pid) for (host, _), pid in
                                               self.pids[source].items()})),
-                    self.config.call_timeout_s, DRAIN_LIVENESS_S) for t in targets),
-                    return_exceptions=True))
-                return _each(targets, copied)
+                    self.config.call_timeout_s, DRAIN_LIVENESS_S))
         finally:
             self._switching.subtract(touched)
             self._changed()
@@ -135,44 +134,51 @@ class InPlaceCopies:
                 self._ended.notify_all()
 
 
-async def copy_in_place(target_actors: Any, source: str, target: str,
+async def copy_in_place(source: str, targets: dict[str, Any],
                         find_lost: Callable[[], Awaitable[dict[str, str]]],
                         kill: Callable[[], Awaitable[None]], timeout_s: float,
-                        poll_s: float) -> int:
-    """Have every proc of `target`'s actor mesh take tenant `source`'s weights from its own
-    process (`TenantActor.receive`: all at once, as a sharded source's gathers need);
-    returns the bytes copied. As the arbiter watches its plans: every `poll_s` the two
-    tenants' procs are checked (`find_lost`: a rank that died would leave the others in
-    their gathers); a tenant found lost so, or whose actor failed the call, raises
-    `TenantLostError`, and so does a copy not done within `timeout_s`, its procs taken for
-    hung and killed first (`kill`)."""
-    async def call() -> Any:
+                        poll_s: float) -> dict[str, int]:
+    """Have every proc of each target's actor mesh (`targets`: name -> mesh) take tenant
+    `source`'s weights from its own process (`TenantActor.receive`: all at once, as a
+    sharded source's gathers need); returns the bytes copied per target once all have
+    ended. Watched as the arbiter watches a plan: every `poll_s` the tenants' procs are
+    checked (`find_lost`: a rank that died would leave the others in their gathers); a
+    tenant found lost so, or whose actor failed the call, raises `TenantLostError`, and so
+    do copies not done within `timeout_s`, the procs taken for hung and killed first
+    (`kill`)."""
+    async def call(actors: Any) -> int:
         async with remote_errors():
-            return await target_actors.receive.call(source)
+            copied = await actors.receive.call(source)
+        return sum(nbytes for _, nbytes in copied.items())
 
-    copy = asyncio.ensure_future(call())
+    names = ", ".join(targets)
+    copies = asyncio.ensure_future(asyncio.gather(
+        *(call(actors) for actors in targets.values()), return_exceptions=True))
     deadline = time.monotonic() + timeout_s
     try:
-        while not copy.done():
-            await asyncio.wait({copy}, timeout=min(poll_s, max(0.0, deadline - time.monotonic())))
-            if not copy.done() and (lost := await find_lost()):
-                raise _lost(source, target, lost)
-            if not copy.done() and time.monotonic() >= deadline:
+        while not copies.done():
+            await asyncio.wait({copies},
+                               timeout=min(poll_s, max(0.0, deadline - time.monotonic())))
+            if not copies.done() and (lost := await find_lost()):
+                raise _lost(source, names, lost)
+            if not copies.done() and time.monotonic() >= deadline:
                 await kill()
-                raise _lost(source, target, {target: f"its procs did not answer within "
-                                                     f"{timeout_s} s (hung) and were killed"})
-        try:
-            return sum(nbytes for _, nbytes in copy.result().items())
-        except Exception as err:
-            lost = await find_lost()
-            if lost:
-                raise _lost(source, target, lost) from err
-            if isinstance(err, SupervisionError):  # gone before its arbiter could look
-                why = (str(err).strip().splitlines() or ["its actor failed"])[-1].strip()
-                raise _lost(source, target, {target: why}) from err
-            raise
+                raise _lost(source, names, {name: f"its procs did not answer within "
+                                                  f"{timeout_s} s (hung) and were killed"
+                                            for name in targets})
+        results = dict(zip(targets, copies.result(), strict=True))
+        failed = {name: r for name, r in results.items() if isinstance(r, BaseException)}
+        if not failed:
+            return results  # type: ignore[return-value]
+        name, err = next(iter(failed.items()))
+        if lost := await find_lost():
+            raise _lost(source, names, lost) from err
+        if isinstance(err, SupervisionError):  # gone before its arbiter could look
+            why = (str(err).strip().splitlines() or ["its actor failed"])[-1].strip()
+            raise _lost(source, names, {name: why}) from err
+        raise err
     finally:
-        copy.cancel()
+        copies.cancel()
 
 
 def _lost(source: str, target: str, lost: dict[str, str]) -> TenantLostError:

@@ -22,9 +22,8 @@ Without GPUs, `gpus_per_host` virtual slots (plain CPU procs) stand in for them.
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from monarch.actor import Actor
 
@@ -41,11 +40,20 @@ from colocate.resources.hosts import HostJob
 from colocate.resources.packing import Inventory, ResourceError, ResourceRequest
 from colocate.resources.proc_watch import ProcWatch
 from colocate.resources.procs import rank_of
-from colocate.resources.spawning import check_importable, check_started
+from colocate.resources.spawning import check_importable, check_started, stop_actors
 from colocate.resources.switching import Switchboard
 from colocate.resources.watcher import Watcher
 
-logger = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def documented_by(part: Callable[..., Any]) -> Callable[[F], F]:
+    """Give a facade verb the docstring of the part's method it passes to: one text, kept
+    where the work is done, and shown by `help(rm.verb)`."""
+    def document(verb: F) -> F:
+        verb.__doc__ = part.__doc__
+        return verb
+    return document
 
 
 class ResourceManager:
@@ -70,6 +78,12 @@ class ResourceManager:
     def gpus_per_host(self) -> int:
         return self.groups.inventory.gpus_per_host
 
+    @property
+    def arbiter_procs(self) -> Any:
+        """The proc mesh that runs the hosts' arbiters, one proc per host (for tools that
+        look inside them: bench/switch_parts.py times functions there)."""
+        return self.switchboard.arbiter_procs
+
     def watch(self, watcher: Watcher) -> None:
         """Tell `watcher` of switches, faults and the shutdown from now on (each part
         calls what is its own: see `colocate.resources.watcher`)."""
@@ -85,8 +99,8 @@ class ResourceManager:
 
     # -- groups and allocations ---------------------------------------------------------
 
+    @documented_by(Groups.reserve)
     async def reserve(self, request: ResourceRequest) -> Group:
-        """Place the group and start its procs: one per GPU (or virtual slot)."""
         return await self.groups.reserve(request)
 
     def group(self, name: str) -> Group:
@@ -96,16 +110,16 @@ class ResourceManager:
     def has_group(self, name: str) -> bool:
         return name in self.groups.groups
 
+    @documented_by(Groups.allocate)
     async def allocate(self, request: ResourceRequest, owner: str) -> Allocation:
-        """A slice of the group's procs for `owner` (`Groups.allocate`)."""
         return await self.groups.allocate(request, owner)
 
+    @documented_by(Groups.free)
     def free(self, allocation: Allocation) -> None:
-        """Give an allocation's procs back to its owner's pool (the group keeps them)."""
         self.groups.free(allocation)
 
+    @documented_by(Groups.replace)
     async def replace_procs(self, allocation: Allocation) -> Allocation:
-        """New procs for the slots of an allocation whose procs died (`Groups.replace`)."""
         return await self.groups.replace(allocation)
 
     async def restart_group(self, name: str, grace_s: float = 5.0) -> Group:
@@ -114,11 +128,7 @@ class ResourceManager:
         stop=False)`); spawns left on the old procs are failed (their watchers hear it)
         and forgotten. The owners keep their slots: `reallocate` gives each allocation's
         cells on the new procs, so owners that shared a process share one again."""
-        group = self.groups.get(name)
-        on_old = {(host, pid) for (host, _), pid in zip(
-            (group.slot(h, p) for h in range(len(group.placement.hosts))
-             for p in range(group.placement.procs_per_host)), group.pids, strict=True)}
-        left = self.faults.on_procs(on_old)
+        left = self.faults.on_procs(self.groups.get(name).host_pids())
         self.faults.lost(left, f"its resource group {name!r} was restarted")
         for spawn in left:
             await self.switchboard.unregister(spawn)
@@ -176,7 +186,7 @@ class ResourceManager:
                 self._tenant_actors[name] = (actors, allocation.procs_per_host)
         except BaseException:
             if preempters is not None:
-                await self._stop_actors(f"{name}_preempt", preempters, 5.0)
+                await stop_actors(f"{name}_preempt", preempters, 5.0)
             await self._undo_spawn(name, actors, allocation)
             raise
         return actors
@@ -187,7 +197,7 @@ class ResourceManager:
         Faults its mesh reports later are ignored (its mesh is no longer tracked)."""
         self._forget(name)
         self._watch_procs()
-        await self._stop_actors(name, actors, grace_s)
+        await stop_actors(name, actors, grace_s)
         self._give_back(allocation)
 
     async def remove(self, name: str, actors: Any, grace_s: float = 5.0,
@@ -202,8 +212,8 @@ class ResourceManager:
         self._watch_procs()
         if stop and not failed:
             if preempters is not None:
-                await self._stop_actors(f"{name}_preempt", preempters, grace_s)
-            await self._stop_actors(name, actors, grace_s)
+                await stop_actors(f"{name}_preempt", preempters, grace_s)
+            await stop_actors(name, actors, grace_s)
 
     def _forget(self, name: str) -> None:
         """Forget spawn `name` here, the one place that does: its tenancy in the view, its
@@ -228,15 +238,6 @@ class ResourceManager:
         """The proc watch of `host` found `pids` dead: their spawns failed."""
         self.faults.died(host, pids, "its proc, pid {pid}, died (found by the proc watch "
                                      f"of host {host})")
-
-    @staticmethod
-    async def _stop_actors(name: str, actors: Any, grace_s: float) -> None:
-        try:
-            await asyncio.wait_for(actors.stop(), grace_s)
-        except Exception as err:  # a timeout: Monarch waits 30 s on a dead proc
-            logger.warning("the actors of %r did not stop within %s s (%s); left behind",
-                           name, grace_s, str(err).splitlines()[0] if str(err) else
-                           type(err).__name__)
 
     # -- switches ----------------------------------------------------------------------
 
@@ -275,13 +276,12 @@ class ResourceManager:
         await self.switchboard.kill([(host, pid) for (host, _), pid in
                                      zip(allocation.slots, allocation.pids, strict=True)])
 
+    @documented_by(Switchboard.make_room)
     async def make_room(self, name: str, asked_bytes: int) -> None:
-        """After a call of `name` ran out of memory asking `asked_bytes`, make that room
-        (`SlotArbiter.make_room`)."""
         await self.switchboard.make_room(name, asked_bytes)
 
+    @documented_by(Switchboard.sleep)
     async def sleep(self, name: str) -> None:
-        """Put `name` to sleep on all its slots, verified."""
         await self.switchboard.sleep(name)
 
     async def handoff(self, source: str, target: str, keep: list[str] | None = None,
@@ -291,8 +291,8 @@ class ResourceManager:
         budget it stays awake where it fits); returns the bytes copied on all slots."""
         return (await self.switchboard.handoffs(source, [target], keep, first))[target]
 
+    @documented_by(Switchboard.handoffs)
     async def handoffs(self, source: str, targets: Sequence[str]) -> dict[str, int]:
-        """`handoff` to each of `targets` at once (see `Switchboard.handoffs`)."""
         return await self.switchboard.handoffs(source, targets)
 
     def routable(self, name: str, stages: Sequence[str] | None = None) -> bool:
@@ -304,24 +304,24 @@ class ResourceManager:
         return not self.switchboard.is_tenant(name) or self.switchboard.awake_now(
             name, self.switchboard.needed(name, stages))
 
+    @documented_by(Faults.why)
     def failure(self, name: str) -> str | None:
-        """Why the actors spawned as `name` failed (None while they have not)."""
         return self.faults.why(name)
 
+    @documented_by(Switchboard.awake_tenants)
     def awake_tenants(self) -> list[str]:
-        """The tenants awake on all their slots, as of the last switch."""
         return self.switchboard.awake_tenants()
 
+    @documented_by(Switchboard.slots_of)
     def slots_of(self, name: str) -> list[tuple[int, int]]:
-        """The (host, slot)s of tenant `name`."""
         return self.switchboard.slots_of(name)
 
+    @documented_by(Switchboard.status)
     async def status(self) -> dict[int, HostStatus]:
-        """host -> slot -> tenant -> awake stages ([] asleep, None unknown)."""
         return await self.switchboard.status()
 
+    @documented_by(Switchboard.traffic)
     async def traffic(self) -> dict[int, dict[int, SlotTraffic]]:
-        """host -> slot -> what its switches moved so far (`SlotTraffic`)."""
         return await self.switchboard.traffic()
 
     async def usage(self, timeout_s: float = 10.0

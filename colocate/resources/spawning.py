@@ -5,11 +5,13 @@ will send it: a class whose module the procs cannot import would otherwise fail 
 Monarch and leave the procs refusing every later spawn. After the spawn, `check_started`
 asks a tenant, from the client, whether its `__init__` succeeded, before any arbiter talks
 to it. Either failure raises `SpawnError`, naming the actor and carrying the original
-exception's type and message.
+exception's type and message; `stop_actors` stops what such a spawn made.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import re
 import sys
@@ -17,6 +19,8 @@ from typing import Any
 
 import cloudpickle
 from monarch.actor import Actor, ActorError, endpoint
+
+logger = logging.getLogger(__name__)
 
 
 class SpawnError(RuntimeError):
@@ -138,3 +142,14 @@ def _lost(slots: list[tuple[int, int]], group: str) -> str:
             "died, or Monarch refuses a proc where an actor failed): to use those slots "
             f"again, rm.release({group!r}) and allocate anew. The arbiters and the tenants "
             "of other procs go on.")
+
+
+async def stop_actors(name: str, actors: Any, grace_s: float) -> None:
+    """Stop the actors spawned as `name`; a stop that does not end within `grace_s` (its
+    proc died unseen: Monarch waits 30 s on a dead proc) is logged and left behind."""
+    try:
+        await asyncio.wait_for(actors.stop(), grace_s)
+    except Exception as err:
+        logger.warning("the actors of %r did not stop within %s s (%s); left behind",
+                       name, grace_s, str(err).splitlines()[0] if str(err) else
+                       type(err).__name__)

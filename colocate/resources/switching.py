@@ -93,6 +93,11 @@ class Switchboard(Handoffs):
             await stop_procs(self._procs, grace_s)
             self._procs = None
 
+    @property
+    def arbiter_procs(self) -> Any:
+        """The proc mesh of the arbiters (None before `start` and after `stop`)."""
+        return None if self._procs is None else self._procs.procs
+
     def arbiter(self, host: int) -> Any:
         """The arbiter actor of `host`."""
         return select(self._arbiters, hosts=host)
