@@ -20,7 +20,8 @@ run: $(STAMP)
 	$(PY) -m examples.rl_loop
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25  # the slowest, to keep CI under its hour
+	# two workers, each running whole files (a module's runtime is shared); the 25 slowest
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
