@@ -181,8 +181,8 @@ async def copy_in_place(source: str, targets: dict[str, Any],
         copies.cancel()
 
 
-def _lost(source: str, target: str, lost: dict[str, str]) -> TenantLostError:
-    return TenantLostError(f"handoff {source} -> {target} in place: " + "; ".join(
+def _lost(source: str, targets: str, lost: dict[str, str]) -> TenantLostError:
+    return TenantLostError(f"handoff {source} -> {targets} in place: " + "; ".join(
         f"{name} lost ({why})" for name, why in lost.items()), None, tuple(lost))
 
 
