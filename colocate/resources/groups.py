@@ -48,6 +48,10 @@ class Allocation:
     pids: tuple[int, ...] = ()
     timeshared: bool = True
 
+    def host_pids(self) -> tuple[tuple[int, int], ...]:
+        """(host, pid) of each of its procs, in mesh order."""
+        return tuple((host, pid) for (host, _), pid in zip(self.slots, self.pids, strict=True))
+
 
 @dataclass
 class Group:

@@ -175,9 +175,7 @@ class ResourceManager:
             if tenant:  # it checks its own start, time-shared or not
                 await check_started(actors, name, actor_class, list(allocation.slots),
                                     allocation.group)
-            self.faults.track(name, await mesh_name(actors), tuple(
-                (host, pid) for (host, _), pid in zip(allocation.slots, allocation.pids,
-                                                      strict=True)))
+            self.faults.track(name, await mesh_name(actors), allocation.host_pids())
             self._watch_procs()
             if tenant and allocation.timeshared:
                 if _preemptible(actor_class):  # see colocate.arbiter.preempt
@@ -273,8 +271,7 @@ class ResourceManager:
 
     async def kill_procs(self, allocation: Allocation) -> None:
         """SIGKILL an allocation's procs (a hung replica's); the proc watch reports them."""
-        await self.switchboard.kill([(host, pid) for (host, _), pid in
-                                     zip(allocation.slots, allocation.pids, strict=True)])
+        await self.switchboard.kill(list(allocation.host_pids()))
 
     @documented_by(Switchboard.make_room)
     async def make_room(self, name: str, asked_bytes: int) -> None:
