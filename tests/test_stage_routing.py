@@ -13,6 +13,7 @@ import asyncio
 import pytest
 
 from colocate import ArbiterConfig, phase
+from colocate.arbiter.host import HostView
 from colocate.memory.traffic import Traffic
 from colocate.resources.switching import Switchboard
 from colocate.testing import DeclaredTenant, MemoryTenant, start_runtime
@@ -68,6 +69,22 @@ def test_the_view_keeps_each_tenants_stages_awake_on_all_its_slots():
     assert board.awake_tenants() == ["gen"]
     board._switching["gen"] += 1  # a switch in flight may put it to sleep
     assert not board.awake_now("gen", ("weights",))
+
+
+def test_a_view_older_than_the_one_kept_is_dropped():
+    """Switches on other slots of a host run concurrently in its arbiter: the answer of
+    one taken earlier may arrive after the answer of one taken later (CI, stop 42: a
+    stale view said a tenant awake that had slept, its wake was skipped, its call failed)."""
+    board = Switchboard(ArbiterConfig(), on_lost=lambda names, why: None)
+    board.tenants = {"a": [(0, 0)], "b": [(0, 1)]}
+    board.stages = {"a": ("weights",), "b": ("weights",)}
+    older = HostView({0: {"a": ["weights"]}, 1: {"b": []}}, frozenset(), seq=4)
+    newer = HostView({0: {"a": []}, 1: {"b": ["weights"]}}, frozenset(), seq=5)
+    board._keep({0: newer})
+    board._keep({0: older})
+    assert board.awake_tenants() == ["b"] and not board.awake_now("a")
+    board._keep({0: HostView({0: {"a": ["weights"]}, 1: {"b": []}}, frozenset(), seq=6)})
+    assert board.awake_tenants() == ["a"]
 
 
 async def test_a_call_goes_where_its_stages_are_awake_while_another_stage_sleeps():

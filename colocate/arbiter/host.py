@@ -4,6 +4,7 @@ and `ActorTenantHandle`, how it reaches one tenant actor on one proc."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 from collections.abc import Sequence
@@ -74,10 +75,13 @@ HostStatus = dict[int, dict[str, list[str] | None]]  # slot -> tenant -> awake s
 @dataclass(frozen=True)
 class HostView:
     """A host's answer to a switch: who is awake on each slot, and the slots that have
-    nothing to decide (`room.roomy`: all awake, every working memory fits)."""
+    nothing to decide (`room.roomy`: all awake, every working memory fits). `seq` orders
+    the views of one arbiter: switches on other slots of the host run concurrently, so
+    their answers may arrive in another order than they were taken."""
 
     status: HostStatus
     roomy: frozenset[int]
+    seq: int
 
 
 class Arbiter(Actor):
@@ -92,6 +96,7 @@ class Arbiter(Actor):
     def __init__(self, slots: list[int], config: ArbiterConfig | None = None) -> None:
         self.core = SlotArbiter(slots, config)
         self.pid_watch = PidWatch()
+        self._views = itertools.count(1)  # `HostView.seq`
 
     @concurrent_endpoint
     async def register(self, slot: int, name: str, actor: Any) -> TenantInfo:
@@ -141,7 +146,7 @@ class Arbiter(Actor):
         core = self.core
         return HostView(core.status(), frozenset(
             index for index, slot in core.slots.items()
-            if room.roomy(slot, core.config, core.policy)))
+            if room.roomy(slot, core.config, core.policy)), next(self._views))
 
     @concurrent_endpoint
     async def traffic(self) -> dict[int, SlotTraffic]:

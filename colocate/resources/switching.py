@@ -63,6 +63,7 @@ class Switchboard(Handoffs):
         self.copies = InPlaceCopies()
         self.measures = config.make_policy().measures
         self.host_status: dict[int, HostStatus] = {}  # the arbiters' answers, last view
+        self._seqs: dict[int, int] = {}  # host -> `HostView.seq` of the view kept
         self.watchers: list[Watcher] = []  # drain and changed
         # name -> the `Preempter` actors on its procs (tenants with @preemptible endpoints)
         self.preempters = Preempters(config.preempt_timeout_s)
@@ -333,8 +334,13 @@ class Switchboard(Handoffs):
         self._changed()
 
     def _keep(self, views: dict[int, HostView]) -> None:
-        """Keep hosts' answers as the view: who is awake, which slots are roomy."""
+        """Keep hosts' answers as the view: who is awake, which slots are roomy. A view
+        older than the one kept (a concurrent switch's, on other slots of the host,
+        answered later) is dropped: it would undo what the newer one says."""
         for host, view in views.items():
+            if view.seq <= self._seqs.get(host, 0):
+                continue
+            self._seqs[host] = view.seq
             self.host_status[host] = view.status
             self.roomy = {s for s in self.roomy if s[0] != host} | {
                 (host, slot) for slot in view.roomy}
