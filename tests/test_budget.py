@@ -166,3 +166,48 @@ def too_small_scenario() -> dict:
         return out
 
     return asyncio.run(run())
+
+
+class SleepFailsOnce(LocalTenantHandle):
+    """A tenant whose first sleep raises (a fault in its endpoint)."""
+
+    failed = False
+
+    async def sleep(self, stages=None) -> int:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("injected sleep fault")
+        return await super().sleep(stages)
+
+
+def test_a_wake_that_failed_to_take_the_slot_does_not_hold_it(isolated):
+    # a and b (8 MiB each) awake on 20 MiB; b works in 8 MiB, so holding the slot for its
+    # calls sleeps a. a's sleep fails once: the slot rolls back, and b, though awake, did
+    # not take it; the next wake of b makes the room (before, b was taken as holding it
+    # and the wake did nothing)
+    out = isolated(failed_hold_scenario)
+    assert out["before"] == {"a": ["weights"], "b": ["weights"]}
+    assert "injected sleep fault" in out["error"]
+    assert out["failed"] == out["before"]
+    assert out["after"] == {"a": [], "b": ["weights"]}
+
+
+def failed_hold_scenario() -> dict:
+    async def run():
+        a, a_held = make("a", {"weights": 8}, {"weights"})
+        b, b_held = make("b", {"weights": 8}, set(), working_mib=8)
+        arbiter = SlotArbiter([0], ArbiterConfig(policy="budget",
+                                                 slot_capacity_bytes=20 * MiB))
+        await arbiter.register(0, SleepFailsOnce("a", a))
+        await arbiter.register(0, LocalTenantHandle("b", b))
+        out = {"before": arbiter.status()[0]}
+        with pytest.raises(SwitchError) as caught:
+            await arbiter.wake("b")
+        out["error"] = str(caught.value)
+        out["failed"] = arbiter.status()[0]
+        await arbiter.wake("b")
+        out["after"] = arbiter.status()[0]
+        del a_held, b_held  # held until here: the tags count them
+        return out
+
+    return asyncio.run(run())

@@ -78,12 +78,13 @@ def test_a_view_older_than_the_one_kept_is_dropped():
     board = Switchboard(ArbiterConfig(), on_lost=lambda names, why: None)
     board.tenants = {"a": [(0, 0)], "b": [(0, 1)]}
     board.stages = {"a": ("weights",), "b": ("weights",)}
-    older = HostView({0: {"a": ["weights"]}, 1: {"b": []}}, frozenset(), seq=4)
-    newer = HostView({0: {"a": []}, 1: {"b": ["weights"]}}, frozenset(), seq=5)
+    older = HostView({0: {"a": ["weights"]}, 1: {"b": []}}, frozenset(), {0: "a"}, seq=4)
+    newer = HostView({0: {"a": []}, 1: {"b": ["weights"]}}, frozenset(), {1: "b"}, seq=5)
     board._keep({0: newer})
     board._keep({0: older})
     assert board.awake_tenants() == ["b"] and not board.awake_now("a")
-    board._keep({0: HostView({0: {"a": ["weights"]}, 1: {"b": []}}, frozenset(), seq=6)})
+    assert board.holders == {(0, 1): "b"}  # who holds a slot's working memory: the same
+    board._keep({0: HostView({0: {"a": ["weights"]}, 1: {"b": []}}, frozenset(), {}, seq=6)})
     assert board.awake_tenants() == ["a"]
 
 

@@ -280,13 +280,13 @@ class SlotArbiter:
     async def _make_room(self, slot: Slot, log: UndoLog, name: str, wanted: Sequence[str],
                          todo: Sequence[str], protect: Sequence[tuple[str, str]] = (),
                          working: bool = True, then: Sequence[Step] = ()) -> PlanResult:
-        """Sleep what the policy chooses until waking `todo` of `name` fits (with
-        `working`: then holding the slot for its calls, with its working memory), then
-        carry out `then` (its answer is returned); each round of sleeps is verified and the
-        free memory measured again (on a CPU slot, whose count is exact, the last round
-        and `then` go as one plan). Raises `SwitchError` when nothing more may sleep and it
-        still does not fit. The tenants' sizes are asked first, unless those known fit with
-        every tenant's declared working memory to spare (`room.growth_bound`)."""
+        """Sleep what the policy chooses until waking `todo` of `name` fits, then carry
+        out `then` (its answer is returned; with `working`, once it went through, `name`
+        holds the slot for its calls, with its working memory). Each round of sleeps is
+        verified and the free memory measured again (on a CPU slot, whose count is exact,
+        the last round and `then` go as one plan). Raises `SwitchError` when nothing more
+        may sleep and it still does not fit. The tenants' sizes are asked first, unless
+        those known fit with every tenant's declared working memory to spare."""
         if not self.policy.has_room(
                 room.needed_bytes(slot, name, todo, working) + room.growth_bound(slot),
                 self._free(slot)):
@@ -295,8 +295,7 @@ class SlotArbiter:
         for _ in range(len(room.residents(slot, name, wanted, protect)) + 1):
             free = self._free(slot)
             if self.policy.has_room(needed, free):
-                slot.holder = name if working else slot.holder
-                return await self._attempt(slot, log, list(then))
+                return await self._take(slot, log, name, working, list(then))
             chosen = self.policy.to_sleep(name, room.residents(slot, name, wanted, protect),
                                           needed, free)
             if not chosen:
@@ -304,13 +303,18 @@ class SlotArbiter:
             sleeps = room.sleep_steps(slot, chosen)
             if slot.infos[name].device == "cpu" and self.policy.has_room(
                     needed, free + sum(r.nbytes for r in chosen)):
-                slot.holder = name if working else slot.holder
-                return await self._attempt(slot, log, [*sleeps, *then])
+                return await self._take(slot, log, name, working, [*sleeps, *then])
             await self._attempt(slot, log, sleeps)
         raise SwitchError(f"{name} cannot wake on slot {slot.index}: it needs {needed} bytes "
                           f"(its stages {list(todo)} and working memory) but only "
                           f"{self._free(slot)} are free after the policy's sleeps: "
                           f"{slot.who()}")
+
+    async def _take(self, slot: Slot, log: UndoLog, name: str, working: bool,
+                    plan: list[Step]) -> PlanResult:
+        result = await self._attempt(slot, log, plan)
+        slot.holder = name if working else slot.holder
+        return result
 
     def _note_peak(self, slot: Slot, holder: str) -> None:  # after a switch to `holder`
         t = slot.traffic

@@ -74,13 +74,15 @@ HostStatus = dict[int, dict[str, list[str] | None]]  # slot -> tenant -> awake s
 
 @dataclass(frozen=True)
 class HostView:
-    """A host's answer to a switch: who is awake on each slot, and the slots that have
-    nothing to decide (`room.roomy`: all awake, every working memory fits). `seq` orders
+    """A host's answer to a switch: who is awake on each slot, the slots that have nothing
+    to decide (`room.roomy`: all awake, every working memory fits), and the tenant holding
+    each slot's working memory under a policy that measures (`Slot.holder`). `seq` orders
     the views of one arbiter: switches on other slots of the host run concurrently, so
     their answers may arrive in another order than they were taken."""
 
     status: HostStatus
     roomy: frozenset[int]
+    holders: dict[int, str]
     seq: int
 
 
@@ -144,9 +146,12 @@ class Arbiter(Actor):
 
     def _view(self) -> HostView:
         core = self.core
-        return HostView(core.status(), frozenset(
-            index for index, slot in core.slots.items()
-            if room.roomy(slot, core.config, core.policy)), next(self._views))
+        slots = core.slots.items()
+        return HostView(core.status(),
+                        frozenset(i for i, slot in slots if room.roomy(slot, core.config,
+                                                                       core.policy)),
+                        {i: slot.holder for i, slot in slots if slot.holder is not None},
+                        next(self._views))
 
     @concurrent_endpoint
     async def traffic(self) -> dict[int, SlotTraffic]:

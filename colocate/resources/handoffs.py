@@ -30,7 +30,7 @@ DRAIN_LIVENESS_S = 0.25  # while a drain or a copy waits: how often the procs ar
 class Handoffs:
     """The handoff verbs of `Switchboard`, which has the state and the switch they use:
     `tenants`, `pids`, `actors`, `roomy`, `measures`, `copies`, `config`, `awake_now`,
-    `arbiter`, `kill`, `_switch`, `_drain`, `_holding`, `_neighbours`, `_find_lost`."""
+    `arbiter`, `kill`, `_switch`, `_drain`, `_neighbours`, `_find_lost`."""
 
     async def handoffs(self, source: str, targets: Sequence[str],
                        keep: list[str] | None = None, first: list[str] | None = None
@@ -82,8 +82,8 @@ class Handoffs:
         touched = self._neighbours(target) | {source}
         if self.measures:
             touched.add(target)  # its stages beyond the weights may sleep to make room
-        await self._holding(target, self._switch(
-            touched, lambda: {h: on(h, slots) for h, slots in self._by_host(target).items()}))
+        await self._switch(
+            touched, lambda: {h: on(h, slots) for h, slots in self._by_host(target).items()})
         return copied
 
     async def _copy_in_place(self, source: str, targets: list[str]) -> dict[str, int]:

@@ -54,8 +54,8 @@ class Switchboard(Handoffs):
         self.working: dict[str, int] = {}  # name -> its declared working memory
         self.pids: dict[str, dict[tuple[int, int], int]] = {}  # name -> (host, slot) -> pid
         self.awake: dict[str, frozenset[str]] = {}  # name -> awake on all its slots (last view)
-        # under a policy that measures: (host, slot) -> the tenant last woken there, whose
-        # working memory the arbiter kept free (another awake tenant's wake still asks it)
+        # under a policy that measures: (host, slot) -> the tenant whose working memory the
+        # arbiter keeps free there (`HostView.holders`; another awake tenant's wake asks it)
         self.holders: dict[tuple[int, int], str] = {}
         # (host, slot)s with nothing to decide (`HostView.roomy`): any tenant there holds
         self.roomy: set[tuple[int, int]] = set()
@@ -181,17 +181,17 @@ class Switchboard(Handoffs):
         touched = self._neighbours(name)
         if self.measures and stages is not None and not set(self.stages[name]) <= set(stages):
             touched.add(name)  # its stages not asked may sleep to make room
-        await self._holding(name, self._switch(touched, lambda: {
+        await self._switch(touched, lambda: {
             h: self.arbiter(h).wake.call_one(name, slots, stages)
-            for h, slots in by_host.items()}, preempt))
+            for h, slots in by_host.items()}, preempt)
 
     async def make_room(self, name: str, asked_bytes: int) -> None:
         """A call of `name` asked `asked_bytes` more than its slots had free: its arbiters
         learn the larger need and make the room (`SlotArbiter.make_room`)."""
         by_host = self._by_host(name)
-        await self._holding(name, self._switch(self._neighbours(name), lambda: {
+        await self._switch(self._neighbours(name), lambda: {
             h: self.arbiter(h).make_room.call_one(name, asked_bytes, slots)
-            for h, slots in by_host.items()}))
+            for h, slots in by_host.items()})
 
     def holds(self, name: str) -> bool:
         """Whether `name` holds its slots' working memory (always, when the policy does
@@ -199,13 +199,6 @@ class Switchboard(Handoffs):
         has nothing to do."""
         return not self.measures or not self.working.get(name) or all(
             self.holders.get(s) == name or s in self.roomy for s in self.tenants.get(name, ()))
-
-    async def _holding(self, name: str, switch: Awaitable[None]) -> None:
-        """Run a switch that leaves `name` holding its slots (unknown if it fails)."""
-        for slot in self.tenants[name]:
-            self.holders.pop(slot, None)
-        await switch
-        self.holders.update(dict.fromkeys(self.tenants[name], name))
 
     async def sleep(self, name: str) -> None:
         """Put `name` to sleep on all its slots, verified."""
@@ -344,6 +337,8 @@ class Switchboard(Handoffs):
             self.host_status[host] = view.status
             self.roomy = {s for s in self.roomy if s[0] != host} | {
                 (host, slot) for slot in view.roomy}
+            self.holders = {s: n for s, n in self.holders.items() if s[0] != host} | {
+                (host, slot): name for slot, name in view.holders.items()}
         self._update_awake()
 
     def _update_awake(self) -> None:
