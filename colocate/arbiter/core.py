@@ -13,18 +13,18 @@ where it stopped and who is awake where. A tenant whose proc died is lost at onc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
 from colocate.arbiter import room
 from colocate.arbiter.config import ArbiterConfig, ArbiterConfigError
 from colocate.arbiter.delivery import AFTER_LOSS, Courier, find_lost, watched
-from colocate.arbiter.errors import ArbiterError, ArbiterTimeoutError, SwitchError, TenantLostError
+from colocate.arbiter.errors import ArbiterError, SwitchError, TenantLostError
 from colocate.arbiter.explain import Explain, PlanFailed, raise_errors, step_error, switch_error
 from colocate.arbiter.handoff import handoff_error, handoff_steps
 from colocate.arbiter.plan import RECEIVE, SLEEP, WAKE, PlanResult, Step
-from colocate.arbiter.slot import Slot, SlotTraffic
+from colocate.arbiter.slot import Slot, SlotTraffic, holding
 from colocate.arbiter.tenant import TenantHandle, TenantInfo
 from colocate.arbiter.undo import UndoLog
 
@@ -58,27 +58,8 @@ class SlotArbiter:
                                f"{missing or 'any'}; registered: {self.tenants()}")
         return chosen
 
-    @asynccontextmanager
-    async def _hold(self, slots: list[Slot]) -> AsyncIterator[None]:
-        held: list[Slot] = []
-        try:
-            async with asyncio.timeout(self.config.request_timeout_s):
-                for slot in slots:  # in slot order: no deadlock between requests
-                    await slot.lock.acquire()
-                    held.append(slot)
-        except TimeoutError:
-            for slot in held:
-                slot.lock.release()
-            raise ArbiterTimeoutError(
-                f"waited {self.config.request_timeout_s} s for slot(s) "
-                f"{[s.index for s in slots]}; busy with earlier requests. "
-                + "; ".join(s.who() for s in slots)
-            ) from None
-        try:
-            yield
-        finally:
-            for slot in held:
-                slot.lock.release()
+    def _hold(self, slots: list[Slot]) -> AbstractAsyncContextManager[None]:
+        return holding(slots, self.config.request_timeout_s)
 
     async def _call(self, what: str, call: Awaitable[T], slot: Slot | None = None,
                     name: str | None = None) -> T:

@@ -1,12 +1,15 @@
 """What the arbiter knows of one slot: `Slot` (its tenants, who is awake, who is lost, what
-each was seen to need, its lock) and `SlotTraffic` (what its switches moved)."""
+each was seen to need, its lock), `SlotTraffic` (what its switches moved), and `holding`,
+a request's hold on the locks of its slots."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+from colocate.arbiter.errors import ArbiterTimeoutError
 from colocate.arbiter.tenant import TenantHandle, TenantInfo
 from colocate.memory.traffic import Traffic
 
@@ -80,3 +83,28 @@ class Slot:
         self.unknown.discard(name)
         if name in self.woken_order:
             self.woken_order.remove(name)
+
+
+@asynccontextmanager
+async def holding(slots: list[Slot], timeout_s: float) -> AsyncIterator[None]:
+    """Hold the locks of `slots` (given in slot order: no deadlock between requests), so
+    that requests are served in arrival order per slot; raises `ArbiterTimeoutError`,
+    naming who is where, when they are not all free within `timeout_s`."""
+    held: list[Slot] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            for slot in slots:
+                await slot.lock.acquire()
+                held.append(slot)
+    except TimeoutError:
+        for slot in held:
+            slot.lock.release()
+        raise ArbiterTimeoutError(
+            f"waited {timeout_s} s for slot(s) {[s.index for s in slots]}; busy with earlier "
+            "requests. " + "; ".join(s.who() for s in slots)
+        ) from None
+    try:
+        yield
+    finally:
+        for slot in held:
+            slot.lock.release()
