@@ -73,8 +73,8 @@ def test_the_view_keeps_each_tenants_stages_awake_on_all_its_slots():
 
 def test_a_view_older_than_the_one_kept_is_dropped():
     """Switches on other slots of a host run concurrently in its arbiter: the answer of
-    one taken earlier may arrive after the answer of one taken later (CI, stop 42: a
-    stale view said a tenant awake that had slept, its wake was skipped, its call failed)."""
+    one taken earlier may arrive after the answer of one taken later (kept, the stale view
+    would say a tenant awake that had slept: its wake skipped, its call failing)."""
     board = Switchboard(ArbiterConfig(), on_lost=lambda names, why: None)
     board.tenants = {"a": [(0, 0)], "b": [(0, 1)]}
     board.stages = {"a": ("weights",), "b": ("weights",)}
