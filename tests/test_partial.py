@@ -142,9 +142,10 @@ async def test_phase_with_preempt_returns_partial_generations_then_they_continue
                 assert running.done()  # answered before the switch went on
                 partial = running.result()
                 await trainer.checksum.route()
-            if not all(c.finished for c in partial):
-                break  # else the call ended before the switch came (a busy machine, or the
+            # all finished: the call ended before the switch came (a busy machine, or the
             # first call's warm-up made whole_s long): come sooner
+            if not all(c.finished for c in partial):
+                break
         print(f"{engine}: whole generate {whole_s:.2f} s, preempting switch {switch_s:.2f} s")
         assert switch_s < whole_s / 2
         assert all(not c.finished for c in partial)
