@@ -131,30 +131,16 @@ def kill(pid: int, sig: int = signal.SIGKILL) -> None:
         pass
 
 
-def make_loop(cfg: Any, faults: list[Fault]) -> Any:
-    """A Loop that fires `faults` in order, each at its moment."""
-    from examples.rl_loop import loop as loop_module
+def make_chaos(cfg: Any, faults: list[Fault]) -> Any:
+    """A run (`chaos.loop`) whose hooks fire `faults` in order, each at its moment."""
+    from examples.rl_loop.hooks import Hooks
     from examples.rl_loop.loop import Loop
 
-    real_sync = getattr(loop_module.sync_weights, "real", loop_module.sync_weights)
-
-    async def sync_weights(trainer: Any, generator: Any, *args: Any, **kwargs: Any) -> Any:
-        active = ChaosLoop.active
-        if active is None or active.trainer is not trainer:
-            return await real_sync(trainer, generator, *args, **kwargs)
-        return await active.handoff(real_sync, trainer, generator, *args, **kwargs)
-
-    sync_weights.real = real_sync  # type: ignore[attr-defined]
-    loop_module.sync_weights = sync_weights  # the step's handoff, seen by the bench
-
-    class ChaosLoop(Loop):
-        active: ChaosLoop | None = None
-
+    class ChaosHooks(Hooks):
         def __init__(self) -> None:
-            super().__init__(cfg)
             self.pending = list(faults)
             self.fired: list[Fault] = []  # awaiting training back
-            self.index, self.phase_now = -1, "start"
+            self.index, self.phase_now, self.began = -1, "start", 0.0
             self.ended: list[tuple[int, float]] = []
             self.armed: Fault | None = None  # kill-during-restart: its second kill
             self.stopped: list[int] = []  # SIGSTOPped pids
@@ -176,7 +162,7 @@ def make_loop(cfg: Any, faults: list[Fault]) -> Any:
             fault.phase = phase or self.phase_now
             self.pids.add(pid)
             if fault not in self.fired:  # kill-during-restart fires twice
-                fault.restarts_before = len(self.record.restarts)
+                fault.restarts_before = len(self.loop.record.restarts)
                 self.fired.append(fault)
             if sig == signal.SIGSTOP:
                 self.stopped.append(pid)
@@ -190,114 +176,116 @@ def make_loop(cfg: Any, faults: list[Fault]) -> Any:
             pids = service.replicas[0].allocation.pids
             return pids[int(pick * len(pids))]
 
-        async def start(self, checkpoint: Path | None = None) -> None:
-            await super().start(checkpoint)
-            self.recovery.restarts.on_restart.append(self._in_restart)
-            self.note_pids()
-
         def note_pids(self) -> None:
-            for service in self.services().values():
+            for service in self.loop.runtime.services().values():
                 for replica in service.replicas:
                     self.pids.update(replica.allocation.pids)
             self.pids.update(p.pid for p in psutil.Process().children(recursive=True))
 
-        async def step(self, index: int) -> dict[str, Any]:
-            self.index, began = index, time.time()
-            row = await super().step(index)
+        # -- the run's hooks --------------------------------------------------------------
+
+        async def started(self) -> None:
+            self.loop.recovery.restarts.on_restart.append(self.in_restart)
+            self.note_pids()
+
+        async def step_began(self, index: int) -> None:
+            self.index, self.began = index, time.time()
+
+        async def step_ended(self, index: int, row: dict[str, Any]) -> None:
             now = time.time()
             self.ended.append((index, now))
             # training is back: a step begun after the fault completed (a step under way
             # at the kill may still end) -- unless the fault is one that ends the run
-            waiting = [f for f in self.fired if f.kind in STOPS or f.fired_at >= began]
+            waiting = [f for f in self.fired if f.kind in STOPS or f.fired_at >= self.began]
             for fault in self.fired:
                 if fault in waiting:
                     continue
                 fault.back_s = now - fault.fired_at
                 fault.outcome = "went on"
                 fault.steps_redone = sum(r["steps_redone"] for r in
-                                         self.record.restarts[fault.restarts_before:])
+                                         self.loop.record.restarts[fault.restarts_before:])
             self.fired = waiting
-            return row
 
-        async def _readings(self, label: str, clock: Any = None) -> None:
+        async def phase(self, label: str) -> None:
             self.phase_now = label
             if label == "generate":
                 self.note_pids()
             if fault := self.due(*(k for k, p in PHASE_OF.items() if p == label)):
-                service = {"generate": self.generator, "train": self.trainer,
-                           "reference": self.reference}[label]
+                runtime = self.loop.runtime
+                service = {"generate": runtime.generator, "train": runtime.trainer,
+                           "reference": runtime.reference}[label]
                 pid = self.pid_of(service, fault.pick)
                 if fault.kind == "past-max-restarts":  # the restarts are at the limit now
-                    self.cfg = dataclasses.replace(self.cfg, run=dataclasses.replace(
-                        self.cfg.run, max_restarts=len(self.record.restarts)))
+                    cfg = self.loop.cfg
+                    self.loop.cfg = dataclasses.replace(cfg, run=dataclasses.replace(
+                        cfg.run, max_restarts=len(self.loop.record.restarts)))
                 if fault.kind == "kill-during-restart":  # the first kill; the second armed
                     self.fire(fault, pid, phase="generate (the first kill)")
                     self.armed = fault
                 else:
                     self.later(fault, pid, signal.SIGSTOP if fault.kind == "hang"
                                else signal.SIGKILL)
-            await super()._readings(label, clock)
 
-        async def _keep(self, done: int) -> dict[str, Any]:
+        async def save(self, done: int, save: Any) -> dict[str, Any]:
             self.phase_now = "save"
-            fault = self.due("kill-during-save", "write-failure") if self._saves(done) \
-                else None
+            saves, trainer = self.loop.saves, self.loop.trainer
+            fault = self.due("kill-during-save", "write-failure") if saves.due(done) else None
             if fault is None:
-                return await super()._keep(done)
+                return await save()
             if fault.kind == "kill-during-save":
-                notes = await super()._keep(done)
-                trainer = self.checkpoints.path(done) / "trainer"
-                fault.note = (f"the write of {trainer.parent.name} had "
-                              f"{'ended' if trainer.exists() else 'not ended'} at the kill")
-                self.fire(fault, self.pid_of(self.trainer, fault.pick), phase="save")
+                notes = await save()
+                written = saves.checkpoints.path(done) / "trainer"
+                fault.note = (f"the write of {written.parent.name} had "
+                              f"{'ended' if written.exists() else 'not ended'} at the kill")
+                self.fire(fault, self.pid_of(trainer, fault.pick), phase="save")
                 return notes
             # write-failure: one rank's files limited for the write (EFBIG), then freed
-            proc = psutil.Process(self.pid_of(self.trainer, fault.pick))
+            proc = psutil.Process(self.pid_of(trainer, fault.pick))
             limit = proc.rlimit(psutil.RLIMIT_FSIZE)
             proc.rlimit(psutil.RLIMIT_FSIZE, (64 << 10, limit[1]))
             self.fire(fault, proc.pid, sig=0, phase="save")
             try:
-                notes = await super()._keep(done)
+                notes = await save()
                 deadline = time.monotonic() + 10
-                while any(self.checkpoints.path(done).glob(".tmp-*")) and \
+                while any(saves.checkpoints.path(done).glob(".tmp-*")) and \
                         time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
             finally:
                 proc.rlimit(psutil.RLIMIT_FSIZE, limit)
             return notes
 
-        async def handoff(self, real: Any, *args: Any, **kwargs: Any) -> Any:
+        async def sync(self, sync: Any) -> None:
             self.phase_now = "handoff"
             fault = self.due("kill-during-handoff")
             if fault is None:
-                return await real(*args, **kwargs)
-            sync = asyncio.ensure_future(real(*args, **kwargs))
+                return await sync()
+            handoff = asyncio.ensure_future(sync())
             await asyncio.sleep(fault.delay_s / 4)
-            self.fire(fault, self.pid_of(self.trainer, fault.pick),
-                      phase="handoff" if not sync.done() else "after the handoff")
-            return await sync
+            self.fire(fault, self.pid_of(self.loop.trainer, fault.pick),
+                      phase="handoff" if not handoff.done() else "after the handoff")
+            await handoff
 
-        async def _in_restart(self, event: Any) -> None:
+        async def in_restart(self, event: Any) -> None:
             self.note_pids()  # the new generation's
             fault = self.armed
             if fault is not None and fault.pick < 0.5:
                 self.armed = None
-                self.fire(fault, self.pid_of(self.trainer, 0.0), phase="restart hooks")
+                self.fire(fault, self.pid_of(self.loop.trainer, 0.0), phase="restart hooks")
 
-        async def load(self, checkpoint: Path | None) -> None:
+        async def loading(self, checkpoint: Path | None) -> None:
             fault = self.armed
-            if fault is not None and self.recovery.restarts.events:
+            if fault is not None and self.loop.recovery.restarts.events:
                 self.armed = None
-                self.fire(fault, self.pid_of(self.trainer, 0.0), phase="restart reload")
-            await super().load(checkpoint)
+                self.fire(fault, self.pid_of(self.loop.trainer, 0.0), phase="restart reload")
 
-        async def stop(self) -> None:
+        async def stopping(self) -> None:
             for pid in self.stopped:  # a stopped proc is killed, never left stopped
                 kill(pid, signal.SIGCONT)
             self.note_pids()
-            await super().stop()
 
-    return ChaosLoop()
+    chaos = ChaosHooks()
+    Loop(cfg, hooks=chaos)  # sets chaos.loop
+    return chaos
 
 
 def overrides(shape: str, out: Path, args: argparse.Namespace, *more: str) -> list[str]:
@@ -382,28 +370,27 @@ async def run_once(cfg: Any, faults: list[Fault]) -> tuple[Any, BaseException | 
 
 
 async def _run_once(cfg: Any, faults: list[Fault]) -> tuple[Any, BaseException | None]:
-    loop = make_loop(cfg, faults)
-    type(loop).active = loop
-    task = asyncio.ensure_future(loop.run())
+    chaos = make_chaos(cfg, faults)
+    task = asyncio.ensure_future(chaos.loop.run())
     seen, last = -1, time.monotonic()
     while not task.done():
         await asyncio.wait([task], timeout=1.0)
-        loop.pids.update(p.pid for p in psutil.Process().children(recursive=True))
-        if len(loop.ended) != seen:
-            seen, last = len(loop.ended), time.monotonic()
-        elif time.monotonic() - last > HANG_S and loop.stopped:
-            for pid in loop.stopped:  # the hang was not detected: end it ourselves
+        chaos.pids.update(p.pid for p in psutil.Process().children(recursive=True))
+        if len(chaos.ended) != seen:
+            seen, last = len(chaos.ended), time.monotonic()
+        elif time.monotonic() - last > HANG_S and chaos.stopped:
+            for pid in chaos.stopped:  # the hang was not detected: end it ourselves
                 kill(pid)
-            for fault in loop.fired:
+            for fault in chaos.fired:
                 fault.note = f"not detected within {HANG_S:.0f} s: the bench killed it"
             last = time.monotonic()
         elif time.monotonic() - last > 4 * HANG_S:
             task.cancel()
     try:
         await task
-        return loop, None
+        return chaos, None
     except (Exception, asyncio.CancelledError) as err:
-        return loop, err
+        return chaos, err
 
 
 async def faulted_run(shape: str, faults: list[Fault], args: argparse.Namespace, tmp: Path
@@ -418,44 +405,44 @@ async def faulted_run(shape: str, faults: list[Fault], args: argparse.Namespace,
     for _ in range(len(faults) + 2):
         cfg = load_config(overrides=overrides(shape, out, args,
                                               f"run.max_restarts={MAX_RESTARTS}"))
-        loop, err = await run_once(cfg, pending)
+        chaos, err = await run_once(cfg, pending)
         failed_at = time.time()
-        pids |= loop.pids
-        # detection: the first restart the runtime began, or failed write the loop found,
+        pids |= chaos.pids
+        # detection: the first restart the runtime began, or failed write the chaos found,
         # after the fault
-        found = sorted([e.detected_at for e in loop.recovery.restarts.events]
-                       + [w["detected_at"] for w in loop.write_failures])
+        found = sorted([e.detected_at for e in chaos.loop.recovery.restarts.events]
+                       + [w["detected_at"] for w in chaos.loop.saves.write_failures])
         for fault in faults:
             if fault.fired_at and fault.detect_s is None:
                 seen = [t for t in found if t >= fault.fired_at - 0.01]
                 fault.detect_s = seen[0] - fault.fired_at if seen else None
-        if loop.ended and (resumed_from := [f for f in faults if f.outcome == "stopped"]):
-            first = min((t for _, t in loop.ended), default=None)
+        if chaos.ended and (resumed_from := [f for f in faults if f.outcome == "stopped"]):
+            first = min((t for _, t in chaos.ended), default=None)
             for fault in resumed_from:
                 fault.outcome = "stopped, resumed"
                 fault.back_s = None if first is None else first - fault.fired_at
-                fault.steps_redone = fault.steps_redone - loop.ended[0][0] if loop.ended \
+                fault.steps_redone = fault.steps_redone - chaos.ended[0][0] if chaos.ended \
                     else None
-        pending = list(loop.pending)
+        pending = list(chaos.pending)
         if err is None:
-            for fault in loop.fired:  # in the last step: the run ended whole all the same
+            for fault in chaos.fired:  # in the last step: the run ended whole all the same
                 if fault.kind not in STOPS:
                     fault.outcome, fault.back_s = "went on", failed_at - fault.fired_at
                     fault.steps_redone = sum(r["steps_redone"] for r in
-                                             loop.record.restarts[fault.restarts_before:])
+                                             chaos.loop.record.restarts[fault.restarts_before:])
             break
         complete = Checkpoints(out / "checkpoints", 2).complete()
         message = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        stopped = loop.fired or [f for f in faults if f.fired_at and f.outcome == ""]
+        stopped = chaos.fired or [f for f in faults if f.fired_at and f.outcome == ""]
         for fault in stopped:
             fault.outcome, fault.error = "stopped", message
             if fault.detect_s is None:  # no restart: the run saw it when it stopped
                 fault.detect_s = failed_at - fault.fired_at
-            fault.steps_redone = loop.index  # the resumed run's first step subtracts
-        stops.append({"error": message, "at_step": loop.index,
+            fault.steps_redone = chaos.index  # the resumed run's first step subtracts
+        stops.append({"error": message, "at_step": chaos.index,
                       "last_complete_checkpoint": complete[-1].name if complete else None,
                       "names_it": bool(complete) and complete[-1].name in str(err)})
-        print(f"  {shape}: the run stopped at step {loop.index}: {message[:200]} "
+        print(f"  {shape}: the run stopped at step {chaos.index}: {message[:200]} "
               f"(last complete checkpoint: {stops[-1]['last_complete_checkpoint']})")
     else:
         stops.append({"error": "still failing after every resume"})
@@ -468,7 +455,7 @@ async def plain_run(shape: str, args: argparse.Namespace, tmp: Path) -> Path:
     from examples.rl_loop.config import load_config
 
     out = tmp / f"{shape}-plain"
-    loop, err = await run_once(load_config(overrides=overrides(shape, out, args)), [])
+    chaos, err = await run_once(load_config(overrides=overrides(shape, out, args)), [])
     if err is not None:
         raise RuntimeError(f"the unfaulted {shape} run failed: {err}") from err
     return out

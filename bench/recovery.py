@@ -46,28 +46,27 @@ COMPARED = ("reward", "loss", "grad_norm", "eval_reward")
 def make_loop(cfg: Any, kill_at: int | None = None, sync_saves: bool = False) -> Any:
     """A Loop that SIGKILLs its slot proc as step `kill_at` starts generating, notes the
     wall time each step ends, and (with `sync_saves`) waits for each save's write."""
+    from examples.rl_loop.hooks import Hooks
     from examples.rl_loop.loop import Loop
 
-    class BenchLoop(Loop):
+    class BenchHooks(Hooks):
         def __init__(self) -> None:
-            super().__init__(cfg)
             self.index, self.killed_at, self.ended = -1, 0.0, []
 
-        async def step(self, index: int) -> dict[str, Any]:
+        async def step_began(self, index: int) -> None:
             self.index = index
-            row = await super().step(index)
-            self.ended.append((index, time.time()))
-            return row
 
-        async def generate(self, prompts, params, copies):  # noqa: ANN001, ANN201
-            if index_is(self.index, kill_at) and not self.killed_at:
-                info = await self.generator.replicas[0].actors.describe.call_one()
+        async def phase(self, label: str) -> None:
+            if label == "generate" and index_is(self.index, kill_at) and not self.killed_at:
+                info = await self.loop.generator.replicas[0].actors.describe.call_one()
                 self.killed_at = time.time()
                 os.kill(info.pid, signal.SIGKILL)
-            return await super().generate(prompts, params, copies)
 
-    loop = BenchLoop()
-    loop.save_waits = sync_saves
+        async def step_ended(self, index: int, row: dict[str, Any]) -> None:
+            self.ended.append((index, time.time()))
+
+    loop = Loop(cfg, hooks=BenchHooks())
+    loop.saves.waits = sync_saves
     return loop
 
 
@@ -100,13 +99,14 @@ async def kill_run(size: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
     summary = await killed.run()
     [restart] = killed.record.restarts
     [event] = killed.recovery.restarts.events
-    back = min(t for i, t in killed.ended if t > killed.killed_at)
+    hooks = killed.hooks
+    back = min(t for i, t in hooks.ended if t > hooks.killed_at)
     return {
         "size": size, "kill_at": kill_at, "restarts": summary["restarts"],
-        "detect_s": event.detected_at - killed.killed_at,
+        "detect_s": event.detected_at - hooks.killed_at,
         "restart_s": event.seconds,
         "load_and_sync_s": restart["load_and_sync_s"],
-        "back_to_training_s": back - killed.killed_at,
+        "back_to_training_s": back - hooks.killed_at,
         "steps_redone": restart["steps_redone"],
         "same_metrics": per_step(tmp / f"{size}-killed") == per_step(tmp / f"{size}-plain"),
     }

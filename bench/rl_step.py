@@ -202,7 +202,7 @@ async def run_mode(name: str, args: argparse.Namespace) -> dict[str, Any]:
         for index in range(args.warmup):
             await loop.step(index)
             bar.update()
-        probes = {group: loop.rm.group(group).procs.spawn("bench_probe", Probe)
+        probes = {group: loop.runtime.rm.group(group).procs.spawn("bench_probe", Probe)
                   for group in groups}
         starts = {group: [v for _, v in (await probe.snapshot.call()).items()]
                   for group, probe in probes.items()}

@@ -259,7 +259,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     try:
         groups = {r.allocation.group for svc in (loop.trainer, loop.generator)
                   for r in svc.replicas}
-        probes = [loop.rm.group(g).procs.spawn("soak_probe", Probe) for g in sorted(groups)]
+        probes = [loop.runtime.rm.group(g).procs.spawn("soak_probe", Probe) for g in sorted(groups)]
         proc_pids = [pid for probe in probes for _, pid in (await probe.pid.call()).items()]
         pauses: dict[int, list[tuple[str, int, float]]] = {pid: [] for pid in proc_pids}
         # per proc, at each read: the steps done and the messages handled, in all and by

@@ -200,9 +200,9 @@ async def run(steps: int, out: Path) -> dict[str, Any]:
     try:
         groups = {r.allocation.group for svc in (loop.trainer, loop.generator)
                   for r in svc.replicas}
-        timers = [loop.rm.group(g).procs.spawn("parts_timer", Timer, "tenant")
+        timers = [loop.runtime.rm.group(g).procs.spawn("parts_timer", Timer, "tenant")
                   for g in sorted(groups)]
-        timers.append(loop.rm.arbiter_procs.spawn("parts_timer", Timer, "arbiter"))
+        timers.append(loop.runtime.rm.arbiter_procs.spawn("parts_timer", Timer, "arbiter"))
 
         async def collect(done: int) -> None:
             for timer in timers:

@@ -13,10 +13,11 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from test_rl_loop import KillingLoop  # SIGKILLs the generator's proc as a step starts
+from test_rl_loop import killing_loop  # SIGKILLs the generator's proc as a step starts
 
 from examples.rl_loop import task
 from examples.rl_loop.config import as_dict, load_config
+from examples.rl_loop.hooks import Hooks
 from examples.rl_loop.loop import Loop
 from examples.rl_loop.state import (
     Checkpoints,
@@ -225,29 +226,30 @@ async def test_a_killed_slot_proc_restarts_the_group_and_the_run_ends_as_if_neve
     cfg = load_config(overrides=["run.seed=7", "run.eval_every=1", "run.save_every=2",
                                  "run.steps=5", f"grpo.beta={beta}",
                                  f"run.out={tmp_path / 'killed'}"])
-    loop = KillingLoop(cfg, kill_at=3)
+    loop = killing_loop(cfg, kill_at=3)
     after: dict[str, set[int]] = {}
 
     async def shared_pids(event) -> None:
-        after.update({name: await pids(service) for name, service in loop.services().items()})
+        services = loop.runtime.services()
+        after.update({name: await pids(service) for name, service in services.items()})
 
-    summary = None
-    real_start = loop.start
+    started = loop.hooks.started
 
-    async def start(checkpoint=None):
-        await real_start(checkpoint)
+    async def start() -> None:
+        await started()
         loop.recovery.restarts.on_restart.append(shared_pids)
 
-    loop.start = start
+    loop.hooks.started = start
     summary = await loop.run()
-    assert loop.killed_pid and not psutil.pid_exists(loop.killed_pid)
+    killed = loop.hooks.killed_pid
+    assert killed and not psutil.pid_exists(killed)
     assert compared(tmp_path / "killed") == compared(tmp_path / "full")
     assert summary["restarts"] == 1
     [restart] = json.loads((tmp_path / "killed" / "metrics.json").read_text())["restarts"]
     assert (restart["step"], restart["resumed_at"], restart["steps_redone"]) == (3, 2, 1)
-    assert str(loop.killed_pid) in restart["cause"] or "died" in restart["cause"]
+    assert str(killed) in restart["cause"] or "died" in restart["cause"]
     assert restart["seconds_lost"] > 0
-    assert after["trainer"] == after["generator"] and loop.killed_pid not in after["trainer"]
+    assert after["trainer"] == after["generator"] and killed not in after["trainer"]
     assert after.get("reference", after["trainer"]) == after["trainer"]
     assert set(after) == ({"trainer", "generator", "reference"} if float(beta) else
                           {"trainer", "generator"})
@@ -259,22 +261,23 @@ async def test_a_killed_slot_proc_restarts_the_group_and_the_run_ends_as_if_neve
     assert [e.step for e in events.Scalars("rl/reward")] == [0, 1, 2, 3, 4]  # 2 redone once
 
 
-class WriteFailingLoop(Loop):
+class WriteFailingHooks(Hooks):
     """Its trainer proc's file size limited to 64 KiB during the first saves after steps 2
     and 4 (the last): their background writes fail (EFBIG, as a full disk would)."""
 
     failing = {2, 4}
 
-    async def _keep(self, done: int) -> dict:
+    async def save(self, done: int, save) -> dict:
         if done not in self.failing:
-            return await super()._keep(done)
+            return await save()
         self.failing = self.failing - {done}
-        proc = psutil.Process(self.trainer.replicas[0].allocation.pids[0])
+        trainer = self.loop.trainer
+        proc = psutil.Process(trainer.replicas[0].allocation.pids[0])
         limit = proc.rlimit(psutil.RLIMIT_FSIZE)
         proc.rlimit(psutil.RLIMIT_FSIZE, (64 << 10, limit[1]))
         try:
-            notes = await super()._keep(done)
-            while await self.trainer.poll_checkpoint.route() == "writing":
+            notes = await save()
+            while await trainer.poll_checkpoint.route() == "writing":
                 await asyncio.sleep(0.01)  # the write ends (fails) under the limit
         finally:
             proc.rlimit(psutil.RLIMIT_FSIZE, limit)
@@ -288,7 +291,7 @@ async def test_a_failed_checkpoint_write_is_saved_again_at_the_next_step(tmp_pat
     write fails too: the run's end saves it again."""
     cfg = load_config(overrides=["run.seed=7", "run.eval_every=4", "run.save_every=2",
                                  "run.steps=4", "run.keep_last=4", f"run.out={tmp_path}"])
-    await WriteFailingLoop(cfg).run()
+    await Loop(cfg, hooks=WriteFailingHooks()).run()
     rewritten = rows(tmp_path)[2]["checkpoint_rewritten"]
     assert (rewritten["step"], rewritten["found_at"]) == (2, 3), rewritten
     assert "saving checkpoint" in rewritten["cause"] and "too large" in rewritten["cause"]

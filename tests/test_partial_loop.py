@@ -17,6 +17,7 @@ import torch
 from examples.rl_loop import task
 from examples.rl_loop.config import as_dict, load_config
 from examples.rl_loop.grpo import GRPOConfig, grpo_loss
+from examples.rl_loop.hooks import Hooks
 from examples.rl_loop.loop import Loop
 from examples.rl_loop.state import LoopState, identity
 
@@ -100,29 +101,28 @@ async def test_with_overlap_the_next_round_runs_while_a_step_trains_and_resumes_
         load_config(CONFIG, ["rollout.overlap=true"])
     # the slot proc killed as step 3 generates (a round under way, samples carried): the
     # group restarts, the loop goes back to step 2's checkpoint, and the run is the same
-    killing = KillingLoop(load_config(CONFIG, [*SMALL, f"run.out={tmp_path / 'killed'}",
-                                               "run.steps=4", "run.save_every=2", *overlap]))
+    killing = Loop(load_config(CONFIG, [*SMALL, f"run.out={tmp_path / 'killed'}",
+                                        "run.steps=4", "run.save_every=2", *overlap]),
+                   hooks=KillingHooks())
     await killing.run()
     killed = json.loads((tmp_path / "killed" / "metrics.json").read_text())
-    assert killing.killed and [r["resumed_at"] for r in killed["restarts"]] == [2]
+    assert killing.hooks.killed and [r["resumed_at"] for r in killed["restarts"]] == [2]
     assert figures(killed["steps"]) == figures(whole)
 
 
-class KillingLoop(Loop):
+class KillingHooks(Hooks):
     """SIGKILLs the generator's proc (the trainer's too: they share it) as step 3's first
     generate call goes out."""
 
     index, killed = -1, 0
 
-    async def step(self, index: int) -> dict:
+    async def step_began(self, index: int) -> None:
         self.index = index
-        return await super().step(index)
 
-    async def generate_ids(self, tokens: list, params) -> list:
-        if self.index == 3 and not self.killed:
-            self.killed = self.generator.replicas[0].allocation.pids[0]
+    async def phase(self, label: str) -> None:
+        if label == "generate" and self.index == 3 and not self.killed:
+            self.killed = self.loop.generator.replicas[0].allocation.pids[0]
             os.kill(self.killed, signal.SIGKILL)
-        return await super().generate_ids(tokens, params)
 
 
 async def test_sync_mode_is_unchanged(tmp_path):

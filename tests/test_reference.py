@@ -19,11 +19,11 @@ from colocate.engines.models import load_model
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
 from colocate.testing import start_runtime
+from examples.rl_loop.batch import ReferenceLogprobs
 from examples.rl_loop.config import load_config
 from examples.rl_loop.grpo import pack_batch, token_logprobs
 from examples.rl_loop.loop import Loop
 from examples.rl_loop.memory import resident_per_proc
-from examples.rl_loop.rollouts import ReferenceLogprobs
 from services import ServiceConfig, spawn_service, sync_weights
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("procs_import_tests")]

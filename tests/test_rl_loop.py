@@ -15,6 +15,7 @@ import pytest
 
 from colocate.engines.tiny import write_tiny_model
 from examples.rl_loop.config import load_config
+from examples.rl_loop.hooks import Hooks
 from examples.rl_loop.loop import Loop
 from examples.rl_loop.sources import DigitTask
 from services.errors import ServiceUnavailableError
@@ -37,7 +38,7 @@ async def test_grpo_beats_the_untrained_policy_and_writes_plots(tmp_path, monkey
 
     async def watched_score(self, where, *args):
         if where.startswith("step"):  # the trainer's wake is under way by now (switch_ahead_s)
-            board = loop.rm.switchboard
+            board = loop.runtime.rm.switchboard
             generator_awake_while_scoring.append(
                 any(board.awake_now(r.tenant) for r in loop.generator.replicas))
         return await score(self, where, *args)
@@ -80,33 +81,37 @@ async def test_the_loop_trains_a_given_model_directory_sharded_over_two_slots(tm
     assert recorded["trainer"]["parallel"] == "fsdp" and recorded["run"]["slots"] == 2
 
 
-class KillingLoop(Loop):
-    """The loop, with the generator replica's proc killed (SIGKILL) as step `kill_at`
-    starts generating, and the weights every step ended with, to compare against."""
+class KillingHooks(Hooks):
+    """SIGKILLs the generator replica's proc as step `kill_at` starts generating; keeps the
+    weights every step ended with, and those a respawned replica got, to compare."""
 
-    def __init__(self, *args, kill_at: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, kill_at: int) -> None:
         self.kill_at, self.index, self.killed_pid = kill_at, -1, 0
         self.trainer_sums: list[str] = []
         self.resynced_sum = ""
 
-    async def step(self, index: int):
-        self.index = index
-        row = await super().step(index)
-        if not self.cfg.run.colocate:  # colocated, the trainer sleeps after each sync
-            self.trainer_sums.append(await self.trainer.checksum.route())
-        return row
+    async def started(self) -> None:
+        self.loop.generator.on_respawn.append(self.resynced)  # runs after the loop's resync
 
-    async def generate(self, prompts, params, copies):
-        if self.index == self.kill_at and not self.killed_pid:
-            info = await self.generator.replicas[0].actors.describe.call_one()
+    async def step_began(self, index: int) -> None:
+        self.index = index
+
+    async def phase(self, label: str) -> None:
+        if label == "generate" and self.index == self.kill_at and not self.killed_pid:
+            info = await self.loop.generator.replicas[0].actors.describe.call_one()
             self.killed_pid = info.pid
             os.kill(info.pid, signal.SIGKILL)
-        return await super().generate(prompts, params, copies)
 
-    async def _resync(self, replica):
-        await super()._resync(replica)
+    async def step_ended(self, index: int, row: dict) -> None:
+        if not self.loop.cfg.run.colocate:  # colocated, the trainer sleeps after each sync
+            self.trainer_sums.append(await self.loop.trainer.checksum.route())
+
+    async def resynced(self, replica) -> None:
         self.resynced_sum = await replica.actors.checksum.call_one()  # before it serves
+
+
+def killing_loop(cfg, kill_at: int) -> Loop:
+    return Loop(cfg, hooks=KillingHooks(kill_at))
 
 
 async def test_the_loop_survives_a_killed_generator_replica(tmp_path):
@@ -115,16 +120,17 @@ async def test_the_loop_survives_a_killed_generator_replica(tmp_path):
     weights before it serves, and the run completes."""
     cfg = load_config(overrides=["run.steps=8", "run.eval_every=8", "run.colocate=false",
                                  f"run.out={tmp_path}"])
-    loop = KillingLoop(cfg, kill_at=3)
+    loop = killing_loop(cfg, kill_at=3)
     summary = await loop.run()
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert [s["step"] for s in metrics["steps"] if s["step"] >= 0] == list(range(8))
     assert summary["final_eval_reward"] >= 0
-    assert loop.killed_pid and not psutil.pid_exists(loop.killed_pid)
+    hooks = loop.hooks
+    assert hooks.killed_pid and not psutil.pid_exists(hooks.killed_pid)
     replica = loop.generator.replicas[0]
-    assert replica.generation == 1 and loop.resyncs == 1
+    assert replica.generation == 1 and loop.runtime.resyncs == 1
     # the respawned replica served with trained weights, never the initial ones
-    assert loop.resynced_sum in loop.trainer_sums[2:]
+    assert hooks.resynced_sum in hooks.trainer_sums[2:]
 
 
 async def test_without_restarts_a_killed_colocated_proc_ends_the_run_with_the_cause(tmp_path):
@@ -135,7 +141,7 @@ async def test_without_restarts_a_killed_colocated_proc_ends_the_run_with_the_ca
                                  f"run.out={tmp_path}"])
     cause = r"(?s)'generator' has no healthy.*'trainer' does not respawn.*spawn the service"
     with pytest.raises(ServiceUnavailableError, match=cause):
-        await KillingLoop(cfg, kill_at=3).run()
+        await killing_loop(cfg, kill_at=3).run()
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert "ServiceUnavailableError" in metrics["summary"]["failed"]
     assert [s["step"] for s in metrics["steps"] if s["step"] >= 0] == [0, 1, 2]

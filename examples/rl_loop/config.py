@@ -35,8 +35,8 @@ from colocate.engines.tiny import ARCHITECTURES
 from colocate.engines.trainer import BUCKET_MB
 from examples.rl_loop.data import DataConfig
 from examples.rl_loop.grpo import GRPOConfig
-from examples.rl_loop.partial import RolloutConfig
 from examples.rl_loop.rewards import RewardConfig
+from examples.rl_loop.rollouts import RolloutConfig
 from examples.rl_loop.task import TaskConfig
 
 DEFAULT = Path(__file__).with_name("config.yaml")
@@ -167,6 +167,10 @@ class RLConfig:
         if self.data.used and self.grpo.max_completion_length is None:
             raise ValueError("data.train_files needs grpo.max_completion_length: the most "
                              "tokens a completion may have (the digit task sets its own)")
+        if self.rollout.overlap and self.run.policy == "exclusive" and self.run.colocate:
+            raise ValueError("rollout.overlap=true generates beside the training, but "
+                             "run.policy=exclusive keeps one tenant awake a slot: use "
+                             "run.policy=budget, or drop rollout.overlap")
         tp = self.generator.tensor_parallel_size
         if self.run.slots % tp:
             raise ValueError(f"generator.tensor_parallel_size={tp} does not divide "

@@ -31,33 +31,35 @@ from tqdm import tqdm
 from colocate import phase
 from colocate.engines.models import load_tokenizer
 from colocate.engines.sampling import SamplingParams
+from examples.rl_loop.batch import ReferenceLogprobs, losses, scored_batch
 from examples.rl_loop.budget import budget_summary
 from examples.rl_loop.config import RLConfig, as_dict
-from examples.rl_loop.data import Row
+from examples.rl_loop.hooks import Hooks
 from examples.rl_loop.memory import ProcPeaks, devices_of, resident_per_proc
-from examples.rl_loop.partial import Pool, check_room, decode_slots, generate_step, prefetch
+from examples.rl_loop.partial import PartialRollouts
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.recovery import Recovery
-from examples.rl_loop.rollouts import ReferenceLogprobs, behind, losses, scored_batch
+from examples.rl_loop.rollouts import Rollout, Rollouts
 from examples.rl_loop.runtime import Runtime, drop, model_dir, switch_ahead
 from examples.rl_loop.saves import Saves
 from examples.rl_loop.sources import check_fits, make_source
-from examples.rl_loop.state import Checkpoints, RunLock
+from examples.rl_loop.state import RunLock
 from examples.rl_loop.summary import summarize
 from examples.rl_loop.timing import StepClock
-from services import sync_weights
+from services import Service, sync_weights
 
 logger = logging.getLogger(__name__)
 
 
-class Loop(Runtime, Saves):
-    """One run: the runtime and the services (trainer, generator and, with grpo.beta > 0,
-    the reference: `runtime.Runtime`), the task, the checkpoints (`saves.Saves`), and what
-    is recorded."""
+class Loop:
+    """One run: the runtime and its services (`runtime.Runtime`), the task (`sources`), the
+    rollouts (`rollouts`), the checkpoints (`saves.Saves`), what is recorded, and the
+    caller's `hooks`."""
 
-    def __init__(self, cfg: RLConfig) -> None:
-        super().__init__(cfg)
-        self.out = Path(cfg.run.out)
+    def __init__(self, cfg: RLConfig, hooks: Hooks | None = None) -> None:
+        self.cfg, self.out = cfg, Path(cfg.run.out)
+        self.hooks = hooks or Hooks()
+        self.hooks.loop = self
         try:
             # the prompts and the reward functions first: a bad file, column or function is
             # refused before anything is built
@@ -66,6 +68,7 @@ class Loop(Runtime, Saves):
             self.tokenizer = load_tokenizer(self.model_dir)  # checks the directory first
             self.source.prepare(self.tokenizer)
             check_fits(self.source, self.model_dir)
+            self.rollouts = self._rollouts()
         except Exception as err:
             self._refused(err)
             raise
@@ -77,27 +80,27 @@ class Loop(Runtime, Saves):
         # the loss's dr_grpo divisor is the completion limit in force, the task's by default
         self.grpo = dataclasses.replace(cfg.grpo,
                                         max_completion_length=self.source.max_new_tokens)
-        self.checkpoints = Checkpoints(self.out / "checkpoints", cfg.run.keep_last)
-        self.write_failures = []  # checkpoint writes that failed, each saved again (`saves`)
         self.record = RunRecord(config=as_dict(cfg), logdir=self.out / "tensorboard",
                                 wandb_dir=self.out if cfg.run.wandb else None)
-        self.recovery = Recovery(self)  # going on after a lost proc (`start` has it follow)
+        self.recovery = Recovery(self)  # going on after a lost proc
+        self.runtime = Runtime(cfg, self.model_dir, self.recovery)
+        self.saves = Saves(cfg, self.out, self.record, self.sampler, self.rollouts,
+                           lambda: self.runtime.trainer)
         self.bar: tqdm | None = None
         self.peaks = ProcPeaks()
         self.postfix: dict[str, str] = {}  # the progress bar's reward, eval and phase
-        self.sampling = SamplingParams(max_new_tokens=self.source.max_new_tokens,
-                                       temperature=cfg.grpo.temperature,
-                                       stop_token_ids=(self.tokenizer.eos_token_id,))
         self.greedy = SamplingParams(max_new_tokens=self.source.max_new_tokens, temperature=0,
                                      stop_token_ids=(self.tokenizer.eos_token_id,))
-        self.pool = None  # rollout.mode=partial: the carried samples (`partial.Pool`)
+
+    def _rollouts(self) -> Rollouts:
+        """The rollouts of `rollout.mode`, drawing from the source and sampling with each
+        step's seed."""
+        cfg = self.cfg
+        parts = (self.source, lambda tokens, params: self.runtime.generate_ids(tokens, params),
+                 self.sampling, cfg.grpo, cfg.generator.max_batch)
         if cfg.rollout.partial:
-            longest = (self.source.longest_prompt() if hasattr(self.source, "longest_prompt")
-                       else len(self.encode("0" * cfg.task.max_digits + ">")))
-            check_room(longest, self.source.max_new_tokens, cfg.rollout.max_tokens_per_step,
-                       self.model_dir)
-            self.pool = Pool(cfg.rollout, cfg.grpo.group_size, self.source.max_new_tokens,
-                             cfg.generator.max_batch)
+            return PartialRollouts(*parts, cfg.rollout, self.model_dir)
+        return Rollouts(*parts)
 
     def _refused(self, err: Exception) -> None:
         """A run refused at its start (a bad data file, column, reward function...) still
@@ -106,29 +109,46 @@ class Loop(Runtime, Saves):
             RunRecord(config=as_dict(self.cfg)).write(
                 self.out, {"failed": f"{type(err).__name__}: {err}"})
 
-    async def stop(self) -> None:
-        self.source.close()
-        await super().stop()
+    @property
+    def trainer(self) -> Service:
+        return self.runtime.trainer
 
-    async def _readings(self, label: str, clock: StepClock | None = None) -> None:
-        """Mark a phase switch and record what each side holds now (the time it takes goes
-        to `clock`'s readings)."""
+    @property
+    def generator(self) -> Service:
+        return self.runtime.generator
+
+    async def start(self, checkpoint: Path | None = None) -> None:
+        """Start the runtime and the services (the trainer loads `checkpoint` when given)."""
+        await self.runtime.start(checkpoint)
+        await self.hooks.started()
+
+    async def load(self, checkpoint: Path | None) -> None:
+        """After a restart: the trainer loads `checkpoint`, the generator gets its weights."""
+        await self.hooks.loading(checkpoint)
+        await self.runtime.load(checkpoint)
+
+    async def stop(self) -> None:
+        await self.hooks.stopping()
+        self.source.close()
+        await self.runtime.stop()
+
+    async def mark(self, label: str, clock: StepClock | None = None) -> None:
+        """Enter phase `label` (the hooks', the record's, the progress bar's) and record what
+        each side holds now (the time it takes goes to `clock`'s readings)."""
+        await self.hooks.phase(label)
         self.record.phase(label)
         self.postfix["phase"] = label
         if self.bar is not None:  # shown now: the bar otherwise redraws only at a step's end
             self.bar.set_postfix(self.postfix)
+        services = self.runtime.services()
         readings = {name: await resident_per_proc(service)
-                    for name, service in self.services().items()}
+                    for name, service in services.items()}
         now = self.record.now()
         for name, per_proc in readings.items():
             self.record.reading(name, sum(per_proc.values()), now)
         self.peaks.add(readings)
         if clock is not None:
             clock.lap("readings")
-
-    def encode(self, text: str) -> list[int]:
-        """A prompt's token ids, with the special tokens the model's tokenizer adds."""
-        return self.tokenizer(text).input_ids
 
     def decode(self, tokens: list[int]) -> str:
         """A completion's text, without special tokens (the stop token among them)."""
@@ -138,7 +158,7 @@ class Loop(Runtime, Saves):
         """The mean reward of greedy completions of the held-out prompts (those the reward
         functions gave none left out)."""
         rows = self.source.eval_rows()
-        _, completions = await self.generate(rows, self.greedy, 1)
+        _, completions = await self.runtime.generate(rows, self.greedy, 1)
         texts = [self.decode(c.tokens) for c in completions]
         scored = await self.source.score(where, rows, texts, completions)
         rewards = [v for v in scored.values if v is not None]
@@ -148,102 +168,90 @@ class Loop(Runtime, Saves):
         return sum(rewards) / len(rewards)
 
     async def step(self, index: int) -> dict[str, Any]:
-        """One GRPO step; returns its metrics and where its time went (`timing.StepClock`;
-        the memory readings taken for the plots are timed apart, `readings_s`)."""
-        cfg, clock = self.cfg, StepClock()
-        async with phase(self.generator):  # no switch: the last sync left it awake
+        """One GRPO step: generate, score, (reference log-probs), train, save, sync. Returns
+        its metrics and where its time went (`timing.StepClock`)."""
+        cfg, rt, clock = self.cfg, self.runtime, StepClock()
+        async with phase(rt.generator):  # no switch: the last sync left it awake
             clock.lap("switch")
-            await self._readings("generate", clock)
-            # with rollout.overlap the last step drew this one's prompts (`partial.prefetch`)
-            prompts = [] if self.pool is not None and self.pool.has(index) \
-                else self.source.sample(cfg.grpo.prompts_per_step)
-            sampling = self._sampling(index)
-            if self.pool is None:
-                tokens, completions = await self.generate(prompts, sampling,
-                                                          cfg.grpo.group_size)
-                lengths = [len(c.tokens) for c in completions]
-                rollout = {"finished_samples": len(completions),
-                           "gen_idle_share": 1 - sum(lengths) / max(1, decode_slots(
-                               lengths, cfg.generator.max_batch))}
-            else:  # partial: a token budget, the unfinished samples carried over
-                self.pool.add(prompts, index)
-                groups, rollout = await generate_step(self.pool, self.generate_ids, sampling)
-                prompts = [g.row for g in groups]
-                completions = [s.completion() for g in groups for s in g.samples]
-                tokens = [g.row.tokens for g in groups for _ in g.samples]
+            await self.mark("generate", clock)
+            rollout = await self.rollouts.generate(index)
         clock.lap("generate")
-        # the next tenant's wake needs nothing from the scores: it runs while they are
-        # computed, decoding and the batch on a worker thread so that this loop drives it
-        ahead = switch_ahead(self.trainer if self.reference is None else self.reference)
-        prefetched = prefetch(self.pool, self.source.sample(cfg.grpo.prompts_per_step),
-                              index + 1, self._generating, self._sampling(index + 1)) \
-            if cfg.rollout.overlap else None  # the next step's first round, meanwhile
+        # beside the scoring: the next step's first round (rollout.overlap; first, where the
+        # slots cannot hold it beside the trainer), then the next tenant's wake
+        await self.rollouts.start_next(index + 1, self._generating, self._side_by_side())
+        ahead = switch_ahead(rt.trainer if rt.reference is None else rt.reference)
         try:
-            batch, stats = await self._scored(index, prompts, tokens, completions)
-            is_cap = None
-            if self.pool is not None:  # how many versions older than the trainer's each token is
-                batch["behind"] = behind(tokens, completions, self.pool.version, batch["mask"])
-                is_cap = cfg.rollout.is_cap if bool(batch["behind"].any()) else None
+            batch, stats, is_cap = await self._scored(index, rollout)
             clock.lap("score")
-            if self.reference is not None:  # its turn: woken for the reference log-probs
+            if rt.reference is not None:  # its turn: woken for the reference log-probs
                 ahead_s = await ahead  # its error, if it failed, is raised here
-                async with phase(self.reference):  # awake already: no switch
+                async with phase(rt.reference):  # awake already: no switch
                     clock.lap("reference_switch")
-                    await self._readings("reference", clock)
-                    batch["ref_logprobs"] = await self.reference.forward.route(
+                    await self.mark("reference", clock)
+                    batch["ref_logprobs"] = await rt.reference.forward.route(
                         ReferenceLogprobs(cfg.grpo.temperature), batch)
                     clock.lap("reference")
-            async with self.training:
-                if self.reference is None:
-                    ahead_s = await ahead  # its error, if it failed, is raised here
-                async with phase(self.trainer):  # no switch unless the reference took its turn
+            async with rt.training:
+                if rt.reference is None:
+                    ahead_s = await ahead
+                async with phase(rt.trainer):  # no switch unless the reference took its turn
                     clock.lap("switch")
-                    await self._readings("train", clock)
+                    await self.mark("train", clock)
                     for loss in losses(self.grpo, cfg.grpo.updates_per_batch, is_cap):
-                        metrics = await self.trainer.train_step.route(loss, batch)
-                    if prefetched is not None:  # its tokens are this version's: in before the sync
-                        rollout["prefetched_tokens"] = (await prefetched.absorb())["tokens"]
+                        metrics = await rt.trainer.train_step.route(loss, batch)
+                    beside = await self.rollouts.before_sync()  # before the weights change
                     clock.lap("train")
-                    saved = await self._keep(index + 1)
+                    saved = await self.hooks.save(index + 1,
+                                                  lambda: self.saves.after_step(index + 1))
                     clock.lap("save")
-                await sync_weights(self.trainer, self.generator)
-                if self.pool is not None:
-                    self.pool.version += 1  # the generator's weights: one training step newer
+                await self.hooks.sync(lambda: sync_weights(rt.trainer, rt.generator))
+                self.rollouts.synced()
         except BaseException:  # what was started ahead is not needed any more
             drop(ahead)
-            if prefetched is not None:
-                drop(prefetched.task)
+            self.rollouts.drop()
             raise
         clock.lap("sync")
-        await self._readings("sync", clock)
-        moves = await self.moves.since_last(self.services())  # what the switches moved
+        await self.mark("sync", clock)
+        moves = await rt.moves.since_last(rt.services())  # what the switches moved
         clock.lap("readings")
         row = {"step": index, **stats, **metrics, **clock.metrics(switch_ahead_s=ahead_s),
-               **moves, **rollout, **saved}
+               **moves, **rollout.metrics, **beside, **saved}
         row["samples_per_s"] = row["finished_samples"] / row["step_s"]
         if (index + 1) % cfg.run.eval_every == 0 or index + 1 == cfg.run.steps:
             row["eval_reward"] = await self.evaluate(f"the evaluation after step {index}")
         return row
 
-    def _sampling(self, index: int) -> SamplingParams:
+    def sampling(self, index: int) -> SamplingParams:
         """Step `index`'s sampling, with its seed."""
-        return dataclasses.replace(self.sampling,
-                                   seed=self.cfg.run.seed * 1_000_003 + index * 10_007)
+        return SamplingParams(max_new_tokens=self.source.max_new_tokens,
+                              temperature=self.cfg.grpo.temperature,
+                              stop_token_ids=(self.tokenizer.eos_token_id,),
+                              seed=self.cfg.run.seed * 1_000_003 + index * 10_007)
+
+    def _side_by_side(self) -> bool:
+        """Whether the generator, awake, has the trainer (and the reference) awake beside it
+        on its slots: then calls of both need no switch."""
+        rt = self.runtime
+        return all(rt.rm.routable(name) for service in rt.services().values()
+                   for name in service.tenant_names())
 
     async def _generating(self, prompts: list[list[int]], params: SamplingParams) -> list:
         """`generate_ids` in the generator's phase (a round started while a step trains)."""
-        async with phase(self.generator):
-            return await self.generate_ids(prompts, params)
+        async with phase(self.runtime.generator):
+            return await self.runtime.generate_ids(prompts, params)
 
-    async def _scored(self, index: int, prompts: list[Row], tokens: list[list[int]],
-                      completions: list) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Step `index`'s completions scored by the reward functions: the training batch
-        (group-relative advantages) and its statistics."""
-        rows = [p for p in prompts for _ in range(self.cfg.grpo.group_size)]
-        texts = await asyncio.to_thread(lambda: [self.decode(c.tokens) for c in completions])
-        result = await self.source.score(f"step {index}", rows, texts, completions)
-        return await asyncio.to_thread(scored_batch, tokens, completions, result,
-                                       self.cfg.grpo, self.pad_id)
+    async def _scored(self, index: int, rollout: Rollout
+                      ) -> tuple[dict[str, Any], dict[str, Any], float | None]:
+        """Step `index`'s rollout scored by the reward functions: the training batch
+        (group-relative advantages), its statistics and its importance weight's cap."""
+        rows = [row for row in rollout.rows for _ in range(self.cfg.grpo.group_size)]
+        texts = await asyncio.to_thread(
+            lambda: [self.decode(c.tokens) for c in rollout.completions])
+        result = await self.source.score(f"step {index}", rows, texts, rollout.completions)
+        batch, stats = await asyncio.to_thread(scored_batch, rollout.tokens,
+                                               rollout.completions, result, self.cfg.grpo,
+                                               self.pad_id)
+        return batch, stats, self.rollouts.weigh(rollout, batch)
 
     async def run(self) -> dict[str, Any]:
         """Train up to `run.steps` steps (from the checkpoint `run.resume` names, if any),
@@ -256,21 +264,23 @@ class Loop(Runtime, Saves):
             lock.release()
 
     async def _run(self) -> dict[str, Any]:
-        resumed = self._resume()
+        saves = self.saves
+        resumed = saves.resume()
         first_step = 0 if resumed is None else resumed[1].step
         if first_step > self.cfg.run.steps:
             raise ValueError(f"run.steps={self.cfg.run.steps}: the checkpoint {resumed[0]} "
                              f"is already at step {first_step}; give run.steps >= that")
         await self.start(None if resumed is None else resumed[0])
-        devices = {name: await devices_of(service) for name, service in self.services().items()}
+        rt = self.runtime
+        devices = {name: await devices_of(service) for name, service in rt.services().items()}
         try:
             await self._train(first_step)
-            async with phase(self.trainer):  # the last save finishes; the model goes out
-                await self._last_save(self.cfg.run.steps)
-                await self.trainer.export_model.route(str(self.out / "model"))
-            self.checkpoints.prune()
+            async with phase(rt.trainer):  # the last save finishes; the model goes out
+                await saves.at_end(self.cfg.run.steps)
+                await rt.trainer.export_model.route(str(self.out / "model"))
+            saves.checkpoints.prune()
         except BaseException as err:
-            found = self.checkpoints.complete()
+            found = saves.checkpoints.complete()
             err.add_note(f"the last complete checkpoint: {found[-1]} (run.resume=auto goes on "
                          "from it)" if found else "no complete checkpoint yet: "
                          "run.resume=auto starts the run anew")
@@ -280,22 +290,22 @@ class Loop(Runtime, Saves):
         finally:
             await self.stop()
         summary = summarize(self.record.steps, engine=self.cfg.run.engine, devices=devices,
-                            generator_respawns=self.resyncs, resumed_at=first_step or None,
+                            generator_respawns=rt.resyncs, resumed_at=first_step or None,
                             restarts=len(self.record.restarts), task=self.source.summary,
-                            peaks=None if self.reference is None else self.peaks,
-                            budget=budget_summary(self.cfg, self.arbiter, self.model_dir))
-        if self.write_failures:  # each saved again at once (`saves.py`)
+                            peaks=None if rt.reference is None else self.peaks,
+                            budget=budget_summary(self.cfg, rt.arbiter, self.model_dir))
+        if saves.write_failures:  # each saved again at once (`saves.py`)
             summary["checkpoint_write_failures"] = [
                 {k: v for k, v in failure.items() if k != "detected_at"}
-                for failure in self.write_failures]
+                for failure in saves.write_failures]
         self.record.write(self.out, summary)
         return summary
 
     async def _train(self, first_step: int) -> None:
         """Steps `first_step` to run.steps - 1 (from 0: after the untrained evaluation)."""
-        await self._readings("start")
+        await self.mark("start")
         if first_step == 0:
-            async with phase(self.generator):
+            async with phase(self.runtime.generator):
                 untrained = await self.evaluate("the untrained evaluation")
             self.record.step({"step": -1, "reward": None, "eval_reward": untrained})
         evals = [s["eval_reward"] for s in self.record.steps if "eval_reward" in s]
@@ -304,19 +314,20 @@ class Loop(Runtime, Saves):
         index = first_step
         while index < self.cfg.run.steps:
             try:
+                await self.hooks.step_began(index)
                 row = await self.recovery.run(self.step(index))
             except (Exception, asyncio.CancelledError) as failure:
                 index = await self.recovery.recover(index, failure)
                 self.bar.n = index
                 self.bar.refresh()
                 continue
+            await self.hooks.step_ended(index, row)
             index += 1
             self.bar.update()
             self.record.step(row)
-            self._keep_loop_state(index)
+            self.saves.write_loop_state(index)
             self.postfix["reward"] = f"{row['reward']:.2f}"
             if "eval_reward" in row:
                 self.postfix["eval"] = f"{row['eval_reward']:.2f}"
             self.bar.set_postfix(self.postfix, refresh=False)
         self.bar.close()
-

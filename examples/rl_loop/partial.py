@@ -38,195 +38,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from colocate.engines.sampling import Completion
+import torch
+
+from colocate.engines.sampling import SamplingParams
+from examples.rl_loop.batch import behind
 from examples.rl_loop.data import Row
-
-MODES = ("sync", "partial")
-ON_STALE = ("finish", "drop")
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """How a step's rollouts are made."""
-
-    mode: str = "sync"  # sync: each step generates whole groups; partial: a token budget
-    max_tokens_per_step: int = 8  # partial: new tokens a sample may get in one step
-    max_staleness: int = 4  # partial: policy versions a sample may span (its tokens' range)
-    on_stale: str = "finish"  # partial, past max_staleness: finish it now, or drop its group
-    is_cap: float = 2.0  # partial: the truncation C of the importance weight of older tokens
-    overlap: bool = False  # partial: the next step's first round generated while one trains
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"rollout.mode={self.mode!r}: use one of {MODES}")
-        if self.on_stale not in ON_STALE:
-            raise ValueError(f"rollout.on_stale={self.on_stale!r}: use one of {ON_STALE}")
-        for name in ("max_tokens_per_step", "max_staleness"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name}={getattr(self, name)}: must be >= 1")
-        if not self.is_cap >= 1:
-            raise ValueError(f"rollout.is_cap={self.is_cap}: must be >= 1")
-        if self.overlap and not self.partial:
-            raise ValueError("rollout.overlap=true continues carried samples while a step "
-                             "trains: it needs rollout.mode=partial")
-
-    @property
-    def partial(self) -> bool:
-        return self.mode == "partial"
-
-
-@dataclass
-class Sample:
-    """One completion under way: its tokens, their behaviour log-probabilities and the
-    policy version that sampled each."""
-
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    stopped: bool = False
-    finished: bool = False
-
-    def completion(self) -> Completion:
-        return Completion(list(self.tokens), list(self.logprobs), stopped=self.stopped,
-                          finished=self.finished, versions=list(self.versions))
-
-
-@dataclass
-class Group:
-    """One prompt's GRPO group, started at step `started`."""
-
-    row: Row
-    started: int
-    samples: list[Sample]
-
-    @property
-    def done(self) -> bool:
-        return all(s.finished for s in self.samples)
-
-    def oldest(self, version: int) -> int:
-        """The oldest version among its tokens (`version`, the current, when it has none)."""
-        return min((s.versions[0] for s in self.samples if s.versions), default=version)
-
-
-@dataclass
-class Round:
-    """One generate call of a step: the prompts to send, which samples they continue and
-    how many new tokens each may keep."""
-
-    prompts: list[list[int]]
-    targets: list[tuple[Group, Sample]]
-    max_new_tokens: int  # asked of the call
-    room: list[int]  # tokens each row may keep (its completion's limit minus what it has)
-
-
-class Pool:
-    """The carried groups of a partial run, oldest first, and the policy version (training
-    steps done)."""
-
-    def __init__(self, cfg: RolloutConfig, group_size: int, max_new_tokens: int,
-                 max_batch: int = 64) -> None:
-        self.cfg, self.group_size, self.max_new_tokens = cfg, group_size, max_new_tokens
-        self.max_batch = max_batch  # the generator's: rows decoded together
-        self.groups: list[Group] = []
-        self.version = 0
-
-    def has(self, step: int) -> bool:
-        """Whether the groups of step `step` are in (added ahead by `prefetch`)."""
-        return any(g.started == step for g in self.groups)
-
-    def add(self, rows: list[Row], step: int) -> None:
-        self.groups += [Group(row, step, [Sample() for _ in range(self.group_size)])
-                        for row in rows]
-
-    def round(self, groups: list[Group] | None = None, budget: int | None = None
-              ) -> Round | None:
-        """The call that continues every unfinished sample (of `groups`, default all) by
-        up to `budget` tokens (default the step's budget); None when none is left."""
-        budget = budget or self.cfg.max_tokens_per_step
-        targets = [(g, s) for g in (self.groups if groups is None else groups)
-                   for s in g.samples if not s.finished]
-        if not targets:
-            return None
-        room = [min(budget, self.max_new_tokens - len(s.tokens)) for _, s in targets]
-        return Round([g.row.tokens + s.tokens for g, s in targets], targets, max(room), room)
-
-    def absorb(self, call: Round, completions: list[Completion]) -> dict[str, int]:
-        """The call's completions added to their samples (cut to each row's room); returns
-        the tokens kept and the rows' decode slots (for the idle share)."""
-        kept = 0
-        for (_, sample), room, new in zip(call.targets, call.room, completions, strict=True):
-            cut = min(room, len(new.tokens))
-            sample.tokens += new.tokens[:cut]
-            sample.logprobs += new.logprobs[:cut]
-            sample.versions += [self.version] * cut
-            sample.stopped = new.stopped and cut == len(new.tokens)
-            sample.finished = sample.stopped or len(sample.tokens) >= self.max_new_tokens
-            kept += cut
-        return {"tokens": kept, "slots": decode_slots([len(c.tokens) for c in completions],
-                                                        self.max_batch)}
-
-    def overdue(self) -> list[Group]:
-        """Unfinished groups that the next step's tokens would make span more than
-        max_staleness versions."""
-        return [g for g in self.groups if not g.done
-                and self.version + 1 - g.oldest(self.version) > self.cfg.max_staleness]
-
-    def drop(self, groups: list[Group]) -> int:
-        """Remove `groups`; returns how many samples went with them."""
-        gone = {id(g) for g in groups}
-        self.groups = [g for g in self.groups if id(g) not in gone]
-        return len(groups) * self.group_size
-
-    def take_done(self) -> list[Group]:
-        """The finished groups, removed from the pool, in the order they were started."""
-        done = [g for g in self.groups if g.done]
-        self.groups = [g for g in self.groups if not g.done]
-        return done
-
-    def carried(self) -> dict[str, int]:
-        samples = [s for g in self.groups for s in g.samples if not s.finished]
-        return {"carried_samples": len(samples),
-                "carried_tokens": sum(len(s.tokens) for s in samples),
-                "carried_groups": len(self.groups)}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": self.version,
-                "groups": [{"row": asdict(g.row), "started": g.started,
-                            "samples": [asdict(s) for s in g.samples]} for g in self.groups]}
-
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Back to a checkpoint's pool (None: the start's, empty)."""
-        state = state or {"version": 0, "groups": []}
-        self.version = state["version"]
-        self.groups = [Group(Row(**g["row"]), g["started"], [Sample(**s) for s in g["samples"]])
-                       for g in state["groups"]]
-
-
-def decode_slots(lengths: list[int], max_batch: int) -> int:
-    """Row-steps a generate call decoded: each batch of `max_batch` rows (the torch
-    generator's) runs until its longest row ends (the idle share is 1 - tokens / slots)."""
-    return sum(len(chunk) * max(chunk, default=0)
-               for chunk in (lengths[i:i + max_batch] for i in range(0, len(lengths), max_batch)))
-
-
-def staleness(groups: list[Group], version: int) -> dict[str, Any]:
-    """The trained samples' spans (versions between their first and last token) as a
-    histogram, and the share of tokens sampled by an older version than `version`."""
-    samples = [s for g in groups for s in g.samples]
-    spans = [s.versions[-1] - s.versions[0] if s.versions else 0 for s in samples]
-    tokens = sum(len(s.versions) for s in samples)
-    older = sum(v < version for s in samples for v in s.versions)
-    hist: dict[str, int] = {}
-    for span in sorted(spans):
-        hist[str(span)] = hist.get(str(span), 0) + 1
-    return {"staleness_hist": hist, "staleness_max": max(spans, default=0),
-            "staleness_mean": sum(spans) / len(spans) if spans else 0.0,
-            "stale_token_share": older / tokens if tokens else 0.0}
+from examples.rl_loop.grpo import GRPOConfig
+from examples.rl_loop.pool import Group, Pool, Round, staleness
+from examples.rl_loop.rollouts import Generate, Rollout, RolloutConfig, Rollouts
 
 
 async def generate_step(pool: Pool, generate: Any, sampling: Any) -> tuple[list[Group],
@@ -283,9 +107,8 @@ class Prefetch:
         return self.pool.absorb(self.call, await self.task)
 
 
-def prefetch(pool: Pool, rows: list[Row], step: int,
-             generate: Callable[[list[list[int]], Any], Awaitable[list[Completion]]],
-             sampling: Any) -> Prefetch | None:
+def prefetch(pool: Pool, rows: list[Row], step: int, generate: Generate,
+             sampling: SamplingParams) -> Prefetch | None:
     """Add step `step`'s prompts (`rows`) to the pool and start the round that continues
     every unfinished sample by the token budget; `sampling` has step `step`'s seed."""
     pool.add(rows, step)
@@ -309,3 +132,76 @@ def check_room(longest_prompt: int, max_new_tokens: int, budget: int, model_dir:
             f"one token short of its {max_new_tokens} and a call of "
             f"rollout.max_tokens_per_step={budget} need {need} positions; the model has "
             f"{limit}: raise model.max_positions (the tiny model) or lower the budget")
+
+
+class PartialRollouts(Rollouts):
+    """The partial mode (see module): the pool of carried groups, which owns the policy
+    version of their tokens, and with `rollout.overlap` the next step's first round."""
+
+    def __init__(self, source: Any, generate: Generate,
+                 sampling: Callable[[int], SamplingParams], grpo: GRPOConfig, max_batch: int,
+                 rollout: RolloutConfig, model_dir: Path) -> None:
+        super().__init__(source, generate, sampling, grpo, max_batch)
+        self.cfg = rollout
+        check_room(source.longest_prompt(), source.max_new_tokens,
+                   rollout.max_tokens_per_step, model_dir)
+        self.pool = Pool(rollout, grpo.group_size, source.max_new_tokens, max_batch)
+        self.prefetched: Prefetch | None = None  # the round under way beside the training
+        self.beside: dict[str, Any] = {}  # its figures, for the step's row
+
+    async def generate(self, index: int) -> Rollout:
+        """The budget's tokens for every sample under way (step `index`'s prompts join
+        unless the overlap's round drew them ahead); the finished groups."""
+        if not self.pool.has(index):
+            self.pool.add(self.source.sample(self.grpo.prompts_per_step), index)
+        groups, metrics = await generate_step(self.pool, self.generate_ids,
+                                              self.sampling(index))
+        return Rollout([g.row for g in groups],
+                       [g.row.tokens for g in groups for _ in g.samples],
+                       [s.completion() for g in groups for s in g.samples], metrics)
+
+    async def start_next(self, index: int, generate: Generate, side_by_side: bool) -> None:
+        """With `rollout.overlap`: step `index`'s prompts join and its first round starts.
+        Where the slots cannot hold the generator beside the trainer (`side_by_side`
+        false), the round runs first, to its end, before the trainer's wake: a wake beside
+        it would throw out what the other brought in."""
+        self.beside = {}
+        if not self.cfg.overlap:
+            return
+        self.prefetched = prefetch(self.pool, self.source.sample(self.grpo.prompts_per_step),
+                                   index, generate, self.sampling(index))
+        self.beside["overlap_side_by_side"] = int(side_by_side)
+        if not side_by_side:
+            await self._absorb()
+
+    async def _absorb(self) -> None:
+        if self.prefetched is not None:
+            prefetched, self.prefetched = self.prefetched, None
+            self.beside["prefetched_tokens"] = (await prefetched.absorb())["tokens"]
+
+    def weigh(self, rollout: Rollout, batch: dict[str, torch.Tensor]) -> float | None:
+        batch["behind"] = behind(rollout.tokens, rollout.completions, self.pool.version,
+                                 batch["mask"])
+        return self.cfg.is_cap if bool(batch["behind"].any()) else None
+
+    async def before_sync(self) -> dict[str, Any]:
+        """The round's tokens in, as of the version that sampled them."""
+        await self._absorb()
+        return self.beside
+
+    def synced(self) -> None:
+        self.pool.version += 1  # the generator's weights: one training step newer
+
+    def drop(self) -> None:
+        if self.prefetched is not None:
+            self.prefetched.task.cancel()
+            self.prefetched.task.add_done_callback(
+                lambda done: done.cancelled() or done.exception())
+            self.prefetched = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.pool.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self.prefetched = None
+        self.pool.load_state_dict(state)

@@ -29,7 +29,9 @@ from typing import Any, Protocol
 
 from examples.rl_loop.config import RLConfig
 from examples.rl_loop.record import RunRecord
-from examples.rl_loop.state import Checkpoints, LoopState, identity
+from examples.rl_loop.rollouts import Rollouts
+from examples.rl_loop.saves import Saves
+from examples.rl_loop.state import LoopState, identity
 from services import RestartEvent
 from services.restart import GroupRestarts
 
@@ -42,10 +44,10 @@ class Recovering(Protocol):
 
     cfg: RLConfig
     record: RunRecord
-    checkpoints: Checkpoints
+    saves: Saves
     sampler: Any  # the task's prompt sampler: state_dict() / load_state_dict()
     sampler_start: dict[str, Any]  # its state before any step
-    pool: Any  # rollout.mode=partial: the carried samples (`partial.Pool`); None: sync
+    rollouts: Rollouts
 
     async def load(self, checkpoint: Path | None) -> None: ...
 
@@ -91,7 +93,7 @@ class Recovery:
         if len(record.restarts) + again >= run.max_restarts:
             raise RuntimeError(f"a proc of the run was lost again after {run.max_restarts} "
                                f"restart(s) (run.max_restarts): {event.cause}") from failure
-        found = loop.checkpoints.complete()
+        found = loop.saves.checkpoints.complete()
         path = found[-1] if found else None
         state = LoopState.read(path / "loop.json") if path else LoopState(
             step=0, sampler=loop.sampler_start,
@@ -103,8 +105,7 @@ class Recovery:
             return await self.recover(index, lost, again + 1)
         redone = record.steps[len(state.metrics):]
         loop.sampler.load_state_dict(state.sampler)
-        if loop.pool is not None:
-            loop.pool.load_state_dict(state.carried)
+        loop.rollouts.load_state_dict(state.carried)
         record.rewind(state)
         record.restart({
             "step": index, "resumed_at": state.step, "steps_redone": index - state.step,

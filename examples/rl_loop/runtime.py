@@ -1,10 +1,10 @@
-"""The services the loop runs on: this module's one job is to start the runtime on the
-run's slots and spawn the trainer, the generator and (with `grpo.beta > 0`) the reference
-on them, each with its restart policy; load a checkpoint into the trainer and give its
-weights to the generator (and to a respawned generator replica before it serves); spread
-a batch over the generator's replicas, seeded per request; wake a service ahead of its
-turn; and shut it all down. `Loop` is built on `Runtime`: the GRPO step is in `loop.py`.
-`model_dir` writes (or names) the initial policy that every engine loads."""
+"""The services the loop runs on: the runtime started on the run's slots, and the trainer,
+the generator and (with `grpo.beta > 0`) the reference spawned on them, each with its
+restart policy; a checkpoint loaded into the trainer and its weights given to the generator
+(and to a respawned generator replica before it serves); a batch spread over the
+generator's replicas, seeded per request; a service woken ahead of its turn; and all of it
+shut down. `loop.Loop` holds a `Runtime`; `model_dir` writes (or names) the initial policy
+that every engine loads."""
 
 from __future__ import annotations
 
@@ -55,15 +55,11 @@ def model_dir(cfg: RLConfig, out: Path, alphabet: str = task.ALPHABET) -> Path:
 
 class Runtime:
     """The runtime and the run's services: the trainer, the generator and, with
-    grpo.beta > 0, the reference. The subclass (`Loop`) sets `model_dir` (the initial
-    policy, `model_dir()`) once it knows the task's characters, and `recovery` (what the run
-    does after a lost proc), which `start` has follow the trainer's group."""
+    grpo.beta > 0, the reference, all loading `model_dir` (the initial policy); `start` has
+    `recovery` (what the run does after a lost proc) follow the trainer's group."""
 
-    model_dir: Path
-    recovery: Recovery
-
-    def __init__(self, cfg: RLConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: RLConfig, model_dir: Path, recovery: Recovery) -> None:
+        self.cfg, self.model_dir, self.recovery = cfg, model_dir, recovery
         # transformers' per-load progress bars (here and in the procs) would bury the loop's
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         self.reference: Service | None = None

@@ -1,7 +1,6 @@
 """Where a run's prompts come from and how their completions are scored: the built-in digit
 task (`task`), or the user's files (`data`) scored by the user's reward functions
-(`rewards`). The loop sees one interface: `sample(n)` and `eval_rows()` give `data.Row`s,
-`score(...)` gives `Scored`, and `sampler` is the position that a checkpoint keeps.
+(`rewards`). The loop sees one interface, `Source`.
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from colocate.engines.sampling import Completion
 from examples.rl_loop import task
@@ -31,6 +30,30 @@ class Scored:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
+class Source(Protocol):
+    """Where prompts come from and how completions are scored: `sample(n)` and
+    `eval_rows()` give `data.Row`s, `score(...)` gives `Scored`; `sampler` is the position a
+    checkpoint keeps, `alphabet` the characters a tiny model is built over."""
+
+    sampler: Any  # state_dict() / load_state_dict()
+    alphabet: str
+    max_new_tokens: int
+    summary: dict[str, Any]  # the task's own figures, for the run's summary
+
+    def prepare(self, tokenizer: Any) -> None: ...
+
+    def longest_prompt(self) -> int: ...
+
+    def sample(self, n: int) -> list[Row]: ...
+
+    def eval_rows(self) -> list[Row]: ...
+
+    async def score(self, where: str, rows: list[Row], texts: list[str],
+                    completions: list[Completion]) -> Scored: ...
+
+    def close(self) -> None: ...
+
+
 class DigitTask:
     """The built-in task (`examples.rl_loop.task`), exactly as before data files existed: the
     same prompts from the same generator state, the same rewards."""
@@ -48,6 +71,9 @@ class DigitTask:
     def _row(self, prompt: str) -> Row:
         return Row(prompt=prompt, text=prompt, tokens=self.tokenizer(prompt).input_ids,
                    columns={})
+
+    def longest_prompt(self) -> int:
+        return len(self._row("0" * self.cfg.max_digits + task.SEPARATOR).tokens)
 
     def sample(self, n: int) -> list[Row]:
         return [self._row(p) for p in task.sample_prompts(self.cfg, n, self.sampler.rng)]
@@ -128,11 +154,9 @@ class UserTask:
         self.rewards.close()
 
 
-def check_fits(source: DigitTask | UserTask, model_dir: Path) -> None:
+def check_fits(source: Source, model_dir: Path) -> None:
     """The longest prompt and a whole completion must fit the model's positions: said
     here, not by the generator at the first step."""
-    if not hasattr(source, "longest_prompt"):
-        return  # the digit task: its model is built to fit it
     config = json.loads((model_dir / "config.json").read_text())
     limit = config.get("max_position_embeddings")
     need = source.longest_prompt() + source.max_new_tokens
@@ -144,6 +168,6 @@ def check_fits(source: DigitTask | UserTask, model_dir: Path) -> None:
             "model), or lower data.max_prompt_length or grpo.max_completion_length")
 
 
-def make_source(cfg: Any) -> DigitTask | UserTask:
+def make_source(cfg: Any) -> Source:
     """The run's prompt source: the user's files with `data.train_files`, else the digits."""
     return UserTask(cfg) if cfg.data.used else DigitTask(cfg)
