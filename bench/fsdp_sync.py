@@ -1,5 +1,6 @@
 """FSDP weight sync: the per-tensor gather against `fsdp_gather.BucketGather`, paired in one
-run (issue 24, item 2: "one collective per sync bucket from FSDP", target >= 3x).
+run, to check that one collective per sync bucket is worth its code (target: >= 3x the
+per-tensor way).
 
 Two gloo procs (CPU), a Qwen2-shaped model sharded by FSDP2 as the trainer shards it
 (`parallel.shard`), its state dict cut into buckets as `PolicyTrainer.weights` cuts it
@@ -7,9 +8,9 @@ Two gloo procs (CPU), a Qwen2-shaped model sharded by FSDP2 as the trainer shard
 streams them. Two ways, alternated within each of `--rounds` rounds (the first one to run
 alternates too), after one warm-up pass each:
 
-- per tensor: the gather before issue 24 (below, `per_tensor_gather`): one buffer per
-  bucket, and on gloo each rank broadcasts its chunk of each tensor in place, so
-  `world` broadcasts per tensor.
+- per tensor: the baseline (below, `per_tensor_gather`): one buffer per bucket, and on
+  gloo each rank broadcasts its chunk of each tensor in place, so `world` broadcasts per
+  tensor.
 - per bucket: a pass through one `BucketGather`, as `PolicyTrainer.weights` gathers: each
   rank writes its rows into a shared-memory buffer all ranks map, one all-reduce of a flag
   says all are in, and one more before the next bucket reuses the buffer.
@@ -84,10 +85,11 @@ MEMCPY_REPEATS = 3
 
 
 def per_tensor_gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The baseline: `fsdp_gather.gather_full` before issue 24 (gloo), kept here
-    only to be measured. One buffer for the bucket, each tensor's part padded to a multiple
-    of the world in rows; per tensor, each rank copies its shard into its chunk of that
-    part and every rank's chunk is broadcast in place (`world` broadcasts a tensor)."""
+    """The baseline: a per-tensor gather over gloo, kept here only to be measured
+    (`BucketGather` is what the trainer uses). One buffer for the bucket, each tensor's
+    part padded to a multiple of the world in rows; per tensor, each rank copies its shard
+    into its chunk of that part and every rank's chunk is broadcast in place (`world`
+    broadcasts a tensor)."""
     world = dist.get_world_size()
     rank = dist.get_rank()
     rows = [math.ceil(t.shape[0] / world) for t in tensors]

@@ -26,7 +26,7 @@ below: dim 512, 8 layers, 8 heads, 20 M parameters, 80 MiB in fp32).
    rl_step.py's `Sampler`), max within the load's window minus the last sample before it.
    Both weight sets are resident throughout the load (the staged handoff's planned 2W),
    so "extra" is what the sync allocates beyond them: gathered buckets, loader
-   temporaries. The issue's bound: one bucket + the largest tensor. Max over rounds. The
+   temporaries. The bound it is held to: one bucket + the largest tensor. Max over rounds. The
    procs run with a fixed glibc mmap threshold (`MALLOC_MMAP_THRESHOLD_`), so freed
    buffers leave RSS and the peak is not glibc's retention.
 3. One RL step's time split (generate, train, switch, sync) colocated (`run.colocate=true`:

@@ -1,4 +1,6 @@
-"""Trainer and generators on a ~50M-parameter Qwen2-shaped model on CPU (issue 11, item 6).
+"""Trainer and generators on a ~50M-parameter Qwen2-shaped model on CPU: DDP against FSDP,
+and the torch generator against vLLM, at a size where the layers, not the embeddings, hold
+the parameters.
 
 The model is written with `write_tiny_model` into a temp dir: Qwen2, hidden `--hidden`
 (default 512), `--layers` decoder layers (default 10), one query head per 64 dims, 2 KV

@@ -1,4 +1,4 @@
-"""Partial rollouts against sync on the long-tail task (issue 37): the RL loop run with
+"""Partial rollouts against sync on the long-tail task: the RL loop run with
 `rollout.mode=sync` and `rollout.mode=partial`, same seed, same model, interleaved A B B A.
 
 The model is the tiny Llama of `examples/rl_loop/long_tail.yaml`, first fitted for a few

@@ -18,8 +18,7 @@ model.layers=4):
    does) and then synchronous (`wait=True`), side by side; the save's share of the step
    (`save_s`, the time the trainer phase waits for it) and the step time, medians.
 
-Targets (issue "Durable runs", item 8): detection <= 1 s; back to training <= 30 s at the
-default size on a CPU machine.
+Targets: detection <= 1 s; back to training <= 30 s at the default size on a CPU machine.
 """
 
 from __future__ import annotations

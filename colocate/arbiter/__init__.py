@@ -1,8 +1,9 @@
 """The arbiter: per-host time-sharing of slot memory between colocated tenants.
 
 `core.SlotArbiter` decides (per-slot order, the cross-tenant view, rollback) and runs
-without Monarch; `config` holds its settings and per-slot state; a switch is a `plan`
-per proc, carried out where the memory is (`delivery` sends it and reads the answer,
+without Monarch; `config` holds its settings and `slot` its per-slot state; a switch is a
+`plan` per proc, carried out where the memory is (`delivery` sends it and reads the answer,
+or runs it step by step for the tenants of the arbiter's own process, `local`'s handles;
 `handoff` builds the trainer-to-generator one, `undo` rolls a failed one back);
 `host.Arbiter` is the per-host Monarch actor around it and `actor.TenantActor` the
 tenants' base class, which runs plans; `preempt` is how a switch stops a running call

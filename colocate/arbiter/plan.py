@@ -12,7 +12,8 @@ the arbiter, which holds the request's undo log, sends the proc a plan of `resto
 done (`Call` a tenant, `Read` the memory, `Wait`, mark progress `At` a step) and is sent
 the answers (or has the error thrown in). Two drivers run it: `run_here`, in the tenants'
 process (`TenantActor.run_plan`, synchronous), and the arbiter's own, for tenants of the
-arbiter's process (`LocalTenantHandle`), which watches each call (core.py).
+arbiter's process (`LocalTenantHandle`, local.py), which watches each call
+(`Courier._run_here`, delivery.py).
 
 Where a plan stopped must be known even when its proc dies or hangs mid-plan: before each
 step (and each release check) `run_here` writes the plan's id and the step's index to a

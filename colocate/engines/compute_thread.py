@@ -5,13 +5,14 @@ glibc's malloc gives each thread an arena. Monarch runs an actor's endpoints on 
 runtime's threads, which also allocate Monarch's own per-message state, some of which it
 keeps for the life of the proc (hyperactor's actor and port identifiers, its per-port
 maps). Sprinkled among a train step's freed activations (blocks of 128 KiB-1 MiB, which
-glibc keeps on the heap), those survivors pin holes that never coalesce: the arena grew
-by a hole of a page or more every few steps, without end, and every sleep's
-`malloc_trim(0)` (`memory.release_cached`) walks and madvises each one, so the handoff
-grew ~0.65 ms per 1,000 steps (bench/RESULTS.md, "A thread of its own for engine work").
-On a thread of the actor's own, the churn's arena holds only the churn and stops
-growing. (glibc makes at most 8 arenas a core, then threads share them: a Monarch proc
-has about 12 threads, so on a 1-core machine set `MALLOC_ARENA_MAX` higher for the procs.)
+glibc keeps on the heap), those survivors pin holes that never coalesce: on Monarch's
+threads the arena grows by a hole of a page or more every few steps, without end, and
+every sleep's `malloc_trim(0)` (`memory.release_cached`) walks and madvises each one, so
+the handoff gets slower the longer the run (bench/RESULTS.md, "A thread of its own for
+engine work", has the figures). On a thread of the actor's own, the churn's arena holds
+only the churn and stops growing. (glibc makes at most 8 arenas a core, then threads
+share them: a Monarch proc has about 12 threads, so on a 1-core machine set
+`MALLOC_ARENA_MAX` higher for the procs.)
 
 One thread per actor (not per process), so actors sharing a proc run side by side as
 they do on Monarch's threads, and ranks of different actors cannot wait on each other's

@@ -3,8 +3,9 @@
 addresses unchanged), after checking every name and shape (`check_weights`: all of them,
 or nothing). Where each name is in the model is planned at the first sync and kept while
 the model's tensors stay (`CopyPlan`), and a bucket's small tensors are copied by one
-`torch._foreach_copy_` (`bench/engines.py` on 2 CPU cores: 1.15x a per-tensor memcpy of
-the same tensors, the per-tensor way 1.05x in the same run; not yet run on a GPU).
+`torch._foreach_copy_`, so a sync's host time is not one copy call per tensor (figures from
+`bench/engines.py`, on CPU only: bench/RESULTS.md, "Pinned at adoption, the planned
+in-place sync"; this planned sync has not run on a GPU).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ torch_memory_saver calls exit(1) on a bad transition, on an out-of-memory resume
 it frees memory outside a region. The registry checks every transition first; this
 module checks free device memory before a resume, keeps the memory pools alive at exit,
 and warms cuBLAS before the first region. A backed-up tag's bytes are kept in pinned host
-memory (`pinned.PinnedBackup`), not by torch_memory_saver's own CPU backup (0.06x of a
-pinned copy on an H200); that memory is pinned as the tag gets its CUDA memory (a region's
+memory (`pinned.PinnedBackup`), not by torch_memory_saver's own CPU backup, which runs at a
+fraction of a pinned copy's speed (torch_memory_saver issue #111; figures: bench/RESULTS.md,
+"What has run on a GPU"); that memory is pinned as the tag gets its CUDA memory (a region's
 end, `adopt`), so that a pause only copies.
 
 A tag's CUDA memory lives on the device that was current when it got it: torch_memory_saver

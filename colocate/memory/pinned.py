@@ -1,31 +1,31 @@
 """A tag's CUDA bytes kept in pinned host memory while the tag is paused.
 
-torch_memory_saver's own CPU backup pauses at 3 GB/s and resumes at 10-11 GB/s on an H200,
-against 55 GB/s for a copy of the same bytes to and from pinned host memory
-(bench/RESULTS.md, "GPU session"; torch_memory_saver issue #111 reports ~0.1x). So the
-CUDA backend pauses without it and keeps the bytes of the tag's live storages here, with
-asynchronous copies filled before the pause and emptied after the resume.
+torch_memory_saver's own CPU backup runs at a fraction of the speed of a copy of the same
+bytes to and from pinned host memory (torch_memory_saver issue #111; the figures on an
+H200 and an H100: bench/RESULTS.md, "What has run on a GPU"). So the CUDA backend pauses
+without it and keeps the bytes of the tag's live storages here, with asynchronous copies
+filled before the pause and emptied after the resume.
 
 The host memory is pinned when a backed-up tag gets its memory (`reserve`, called by the
 CUDA backend as a region ends and at `adopt`), not at its first pause: pinning costs far
-more than a copy (an H100 spent 3.6 s of an RL loop's first step pinning 5.85 GB at the
-first pause), so a pause only copies. A tag's host memory is one chunk per growth of its
-live bytes (never copied into a larger one), held for the process's life, exactly the
-bytes asked: plain host pages, faulted in on torch's threads and then registered with
-CUDA (`cudaHostRegister`, as torch's own `pinned_use_cuda_host_register` does), not
-torch's pinned allocator, which rounds each block up to a power of two. A tag without
-backup pins nothing.
+more than a copy (on an H100 the RL loop's first sync, which pinned at its first pause, took
+many times as long as the later ones: bench/RESULTS.md, "What has run on a GPU"), so a pause
+only copies. A tag's host memory is one chunk per growth of its live bytes (never copied
+into a larger one), held for the process's life, exactly the bytes asked: plain host pages,
+faulted in on torch's threads and then registered with CUDA (`cudaHostRegister`, as torch's
+own `pinned_use_cuda_host_register` does), not torch's pinned allocator, which rounds each
+block up to a power of two. A tag without backup pins nothing.
 
 Storages of `SMALL_BYTES` or more are copied one by one: each copy moves enough bytes for
 its launch not to count. Smaller ones (norms, biases, many small tensors) are gathered on
 the device into a staging buffer of at most `STAGE_BYTES` with one `torch._foreach_copy_`
 and cross the link in one copy (and back the same way), so their number costs a few
 launches, not one each. Each storage still costs some host time a pause (a byte view of
-it, its place in the layout: ~4 us on this project's CPU machine), which overlaps with the
-copies in flight while a storage takes longer to cross than that (from ~256 KiB at 55
-GB/s); a tag of thousands of tensors of a few KiB is bound by it. Not yet run on a GPU:
-the registration and the staging are checked on CPU only (the copies and their layout,
-with CPU storages standing in).
+it, its place in the layout), which overlaps with the copies in flight while a storage
+takes longer to cross than that; a tag of thousands of tensors of a few KiB is bound by it
+(figures: bench/RESULTS.md, "Pinned at adoption, the planned in-place sync"). The
+registration and the staging have not run on a GPU: they are checked on CPU only (the
+copies and their layout, with CPU storages standing in).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ of `Switchboard` (a mixin of it: it uses the switchboard's view, switches and dr
 Through the arbiters of the target's hosts, staged (`SlotArbiter.handoff`), or, where every
 slot of the source has nothing to decide (every tenant wholly awake, every declared working
 memory fits: `room.roomy`), in place with no switch: one message to the target's procs
-instead of client -> arbiter -> proc (2-4 ms of a 0.1 s RL step on CPU, bench/RESULTS.md).
+instead of client -> arbiter -> proc, the round trips that make most of a small RL step's
+switch time on CPU (bench/RESULTS.md, "The ample share met").
 `InPlaceCopies` keeps the other switches of the tenants waiting until such a copy is done,
 as the arbiter's slot lock does for the switches it runs; `copy_in_place` watches it as the
 arbiter watches a plan.

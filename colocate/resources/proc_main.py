@@ -4,10 +4,11 @@ what must precede Monarch's bootstrap module, then run it as `python -m` would.
 A GPU slot's proc first gets its GPU (`gpus.run_on_slot_gpu`). Every proc ends without the
 interpreter's teardown: once Monarch's bootstrap returned, non-daemon threads were joined and
 every atexit callback ran, the proc flushes its output and exits with the bootstrap's exit
-code. The teardown's garbage collections took 1.3-1.7 s of each proc's stop with torch
-loaded (py-spy: the proc sat in `gc_collect_main` after its actors had stopped), for memory
-the system takes back anyway; freezing the heap instead (`gc.freeze`) made nanobind print
-its leak warnings at every exit.
+code. With torch loaded, the teardown's garbage collections are most of a proc's stop
+(py-spy finds the proc in `gc_collect_main` after its actors have stopped; figures:
+bench/RESULTS.md, "A proc's stop"), for memory the system takes back anyway. Freezing the
+heap (`gc.freeze`) would save the same time, but nanobind then prints its leak warnings at
+every exit.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""The run's summary: this module's one job is the dict a finished run returns and writes
-to metrics.json (`summary`), from its steps' rows and what the loop knows of the run: the
-evaluations before and after training, the mean step time, the share of it spent switching
+"""The run's summary: the dict a finished run returns and writes to metrics.json
+(`summary`), so that a run can be judged, and runs compared, without reading every step.
+
+It is built from the steps' rows and what the loop knows of the run: the evaluations
+before and after training, the mean step time, the share of it spent switching
 (`switch_share`: (switch_s + sync_s) / step_s), where each service ran, the respawns and
 restarts, the task's own figures and, with a reference, its share and the memory per proc.
 """

@@ -1,8 +1,8 @@
 """The toy task: copy a short digit string. "312>" -> "312", then the eos token.
 
-Chosen by measurement over reversal and addition: a randomly initialised 2-layer, 64-wide
-Llama learns it with GRPO in about a minute on one CPU core, where reversal stalls around
-0.7 and two-digit addition does not move (see the commit that added this module).
+Copying is the task because a small random model learns it with GRPO on CPU in about a
+minute, where reversal plateaus and two-digit addition does not move (the figures:
+bench/RESULTS.md, "The toy task: why copying digits").
 
 The reward is verifiable and gives partial credit: the answer positions the completion gets
 right, divided by the longer of the answer and the completion, so a random policy already

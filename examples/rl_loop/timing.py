@@ -1,5 +1,7 @@
-"""Where a step's time went: this module's one job is to clock a GRPO step by its phases
-and give the figures each step's row carries (`generate_s`, `switch_s`, `step_s`, ...).
+"""Where a step's time went: a clock for a GRPO step's phases, which gives the figures each
+step's row carries (`generate_s`, `switch_s`, `step_s`, ...), so a run shows what its
+switches cost beside generating and training.
+
 The step calls `lap(span)` as each part of it ends; the time since the last lap (or the
 clock's start) goes to that span, summed over the step, so every moment of the step is in
 exactly one span and the figures add up to the step's wall time.
