@@ -1,15 +1,20 @@
-"""The slots' memory budget: this module's one job is to turn `run.policy` and
-`run.slot_memory` into the arbiter's config, and to say how many bytes a capacity
-requires a step to copy, which the summary and bench/budget.py hold the measured bytes
-against.
+"""The slots' memory budget: `run.policy` and `run.slot_memory` turned into the arbiter's
+config, and the fewest bytes a capacity requires a step to copy, which the summary and
+bench/budget.py hold the measured bytes against.
+
+Sizes are estimated per slot before anything starts, from the model's parameters on the
+meta device, as each slot holds them: the trainer its weights, AdamW's two moments and a
+step count per tensor, and its gradients (DDP: the whole model on every slot; FSDP: the
+slot's shard of each parameter, dim 0 split as `torch.chunk` splits it), the reference its
+weights laid out like the trainer's, the generator its weights (a torch generator: whole,
+one replica per slot; vLLM: its tensor-parallel share) and the working memory of a batch
+(KV cache and logits) as it declares it. The arbiter measures the real sizes at each
+switch.
 
 `run.slot_memory=auto`: on a GPU, the device's own memory, measured by NVML at each
 switch; on CPU slots (which have no capacity of their own) a capacity below what the
 tenants hold together, so that they take turns: 1.3x the largest tenant, but at most 0.9x
-all of them, from sizes estimated before anything starts (the model's parameters on the
-meta device: the trainer holds weights, AdamW's two moments and gradients; the generator and
-the reference their weights, and the generator works in a batch's KV cache and logits, as it
-declares). The arbiter measures the real sizes at each switch.
+all of them.
 """
 
 from __future__ import annotations
@@ -53,25 +58,49 @@ class Size:
         return sum(b for b, _ in self.stages.values()) + self.working
 
 
-def tenant_sizes(cfg: RLConfig, model_dir: Path) -> dict[str, Size]:
-    """Each tenant's size, estimated (see module); AdamW also keeps a float32 step count
-    per parameter tensor."""
+def tenant_sizes(cfg: RLConfig, model_dir: Path, rank: int = 0) -> dict[str, Size]:
+    """Each tenant's size on slot `rank` (see module), in the order they take their turns
+    in a step: generator, reference (grpo.beta > 0), trainer."""
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     params = list(model.parameters())  # tied: once
-    weights = sum(p.numel() * p.element_size() for p in params)
-    tenants = ["trainer", "generator"] + (["reference"] if cfg.grpo.beta > 0 else [])
-    sizes = {t: {s: (units * weights, kept) for s, (units, kept) in STAGES[t].items()}
+    whole = sum(p.numel() * p.element_size() for p in params)
+    slots = cfg.run.slots
+    sharded = cfg.trainer.parallel == "fsdp" and slots > 1
+    mine = sum(shard_bytes(p, rank, slots) for p in params) if sharded else whole
+    tenants = ["generator"] + (["reference"] if cfg.grpo.beta > 0 else []) + ["trainer"]
+    sizes = {t: {s: (units * mine, kept) for s, (units, kept) in STAGES[t].items()}
              for t in tenants}
-    sizes["trainer"]["optimizer"] = (2 * weights + 4 * len(params), True)
+    sizes["trainer"]["optimizer"] = (2 * mine + 4 * len(params), True)
     shape = (config.to_dict(), cfg.generator.max_batch, config.max_position_embeddings)
     if cfg.run.engine == "vllm":  # its weights kept across a sleep, its KV cache a stage
-        sizes["generator"] = {"weights": (weights, True),
+        tp = cfg.generator.tensor_parallel_size if slots > 1 else 1
+        sizes["generator"] = {"weights": (whole // tp, True),
                               "kv_cache": (kv_cache_bytes(*shape), False)}
         return {t: Size(stages) for t, stages in sizes.items()}
+    sizes["generator"]["weights"] = (whole, False)
     working = {"generator": working_bytes(*shape)}
     return {t: Size(stages, working.get(t, 0)) for t, stages in sizes.items()}
+
+
+def shard_bytes(param: torch.Tensor, rank: int, world: int) -> int:
+    """The bytes of rank `rank`'s FSDP shard of `param` (dim 0 in `world` chunks)."""
+    rows = param.shape[0]
+    chunk = -(-rows // world)
+    mine = max(0, min(chunk, rows - rank * chunk))
+    return mine * (param.numel() // rows) * param.element_size()
+
+
+def slot_sizes(cfg: RLConfig, model_dir: Path) -> list[dict[str, Size]]:
+    """The tenants each slot of the run holds, with their sizes there: colocated, all of
+    them on each of `run.slots`; apart (`run.colocate=false`), the trainer (and the
+    reference) on those and the generator alone on as many more."""
+    per_rank = [tenant_sizes(cfg, model_dir, rank) for rank in range(cfg.run.slots)]
+    if cfg.run.colocate:
+        return per_rank
+    return ([{t: s for t, s in sizes.items() if t != "generator"} for sizes in per_rank]
+            + [{"generator": sizes["generator"]} for sizes in per_rank])
 
 
 def parse_bytes(value: str) -> int:
@@ -85,7 +114,7 @@ def parse_bytes(value: str) -> int:
 
 
 def auto_capacity(sizes: dict[str, Size]) -> int:
-    """CPU slots' `auto` capacity (see module)."""
+    """CPU slots' `auto` capacity for a slot holding `sizes` (see module)."""
     totals = [size.total for size in sizes.values()]
     return int(min(1.3 * max(totals), 0.9 * sum(totals)))
 
@@ -97,36 +126,41 @@ def arbiter_config(cfg: RLConfig, model_dir: Path, on_gpu: bool) -> ArbiterConfi
         return ArbiterConfig(policy="exclusive")
     if run.slot_memory != "auto":
         return ArbiterConfig(policy="budget", slot_capacity_bytes=parse_bytes(run.slot_memory))
-    capacity = None if on_gpu else auto_capacity(tenant_sizes(cfg, model_dir))
+    capacity = None if on_gpu else auto_capacity(tenant_sizes(cfg, model_dir))  # slot 0's
     return ArbiterConfig(policy="budget", slot_capacity_bytes=capacity)
 
 
 def required_per_step(sizes: dict[str, Size], capacity: int) -> int:
-    """The fewest bytes a step must copy to host memory and back under `capacity`, for the
-    trainer and the generator: while one of them works (its stages and working memory),
-    the other's kept stages beyond the room left hold out (its dropped ones go free); each
-    stage out is copied out and back in once a step, and stages go whole."""
-    required = 0
-    for awake, other in (("generator", "trainer"), ("trainer", "generator")):
-        room = capacity - sizes[awake].total
-        kept = [b for b, k in sizes[other].stages.values() if k]
-        overflow = sum(kept) - room
-        if overflow > 0:
-            required += 2 * min((sum(c) for n in range(1, len(kept) + 1)
-                                 for c in itertools.combinations(kept, n)
-                                 if sum(c) >= overflow), default=sum(kept))
-    return required
+    """The fewest bytes a step must copy to host memory and back on a slot of `capacity`
+    holding `sizes`: while each tenant works (its stages and working memory), the others'
+    kept stages must fit beside it, or be out (their dropped ones go free). A stage out is
+    copied out and back in once a step (each tenant's turn comes once, so the phases it
+    sits out are consecutive), and stages go whole: the cheapest set of kept stages whose
+    absence lets every turn fit."""
+    kept = [(tenant, stage, b) for tenant, size in sizes.items()
+            for stage, (b, k) in size.stages.items() if k]
+
+    def fits(out: set[tuple[str, str]]) -> bool:
+        return all(size.total + sum(b for t, s, b in kept if t != awake and (t, s) not in out)
+                   <= capacity for awake, size in sizes.items())
+
+    costs = [2 * sum(b for _, _, b in out) for n in range(len(kept) + 1)
+             for out in itertools.combinations(kept, n)
+             if fits({(t, s) for t, s, _ in out})]
+    return min(costs, default=2 * sum(b for _, _, b in kept))
 
 
 def budget_summary(cfg: RLConfig, config: ArbiterConfig, model_dir: Path) -> dict[str, Any]:
-    """The run's policy and slot capacity and, for a trainer and a generator on a capacity
-    (no reference), the bytes that capacity requires a step to copy (`required_per_step`
-    of the estimated sizes)."""
+    """The run's policy and slot capacity and, under a budget of known capacity, the bytes
+    that capacity requires a step to copy, per slot and summed over the run's slots
+    (`required_per_step` of each slot's estimated sizes)."""
     capacity = config.slot_capacity_bytes
     found: dict[str, Any] = {"policy": cfg.run.policy, "slot_capacity_bytes": capacity}
-    if capacity is not None and cfg.grpo.beta == 0 and config.policy == "budget":
-        found["bytes_required_per_step"] = required_per_step(tenant_sizes(cfg, model_dir),
-                                                             capacity)
+    if capacity is not None and config.policy == "budget":
+        per_slot = [required_per_step(sizes, capacity)
+                    for sizes in slot_sizes(cfg, model_dir)]
+        found["bytes_required_per_slot"] = per_slot
+        found["bytes_required_per_step"] = sum(per_slot)
     return found
 
 
