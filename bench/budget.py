@@ -11,7 +11,13 @@ against the fewest the capacity requires (`required_per_step`), the switch share
 step time, the most a slot held after a switch against its capacity, and the final eval
 reward, which the policy must not change (same seed).
 
-    .venv/bin/python -m bench.budget [--steps 20] [--out FILE]
+Then the shapes beyond one slot and two tenants (`CASES`: two slots under DDP and FSDP, a
+reference, partial rollouts overlapping a tight slot), each at its tight capacity, checked
+(`checks`): moved/required within [0.9, 1.05], no slot over its capacity, and every step's
+metrics equal to the exclusive policy's run (for the overlap, which the exclusive policy
+refuses: to the same run on ample slots). tests/test_step_budget.py runs one of them.
+
+    .venv/bin/python -m bench.budget [--steps 20] [--case-steps 10] [--out FILE]
 """
 
 from __future__ import annotations
@@ -27,6 +33,16 @@ from examples.rl_loop.budget import auto_capacity, tenant_sizes
 from examples.rl_loop.config import load_config
 from examples.rl_loop.runtime import model_dir
 
+# name -> (overrides, the comparison run's overrides beside them)
+CASES = {
+    "2 slots, ddp": (["run.slots=2"], ["run.policy=exclusive"]),
+    "2 slots, fsdp": (["run.slots=2", "trainer.parallel=fsdp"], ["run.policy=exclusive"]),
+    "reference": (["grpo.beta=0.1"], ["run.policy=exclusive"]),
+    "partial, overlap": (["rollout.mode=partial", "rollout.overlap=true",
+                          "rollout.max_tokens_per_step=3"], ["run.slot_memory=1GiB"]),
+}
+# a step's figures that depend on time or on the policy, not on what was learned
+TIMING = ("_s", "_bytes", "samples_per_s", "slept", "overlap_side_by_side")
 SIZES = {"default": [], "256x4": ["model.hidden_size=256", "model.layers=4", "model.heads=4",
                                   "model.kv_heads=2", "model.intermediate_size=1024"]}
 
@@ -63,9 +79,39 @@ def entry(metrics: dict, capacity: int | None) -> dict:
             "final_eval_reward": summary["final_eval_reward"]}
 
 
+def learned(metrics: dict) -> list[dict]:
+    """Each step's figures apart from its times and its memory traffic."""
+    return [{k: v for k, v in row.items() if not k.endswith(TIMING)}
+            for row in metrics["steps"]]
+
+
+def run_case(name: str, steps: int, work: Path) -> dict:
+    """Case `name` at its tight capacity (`auto`'s, from the sizes of its slot 0) and its
+    comparison run; the figures and the checks that failed (`checks`, empty: all held)."""
+    overrides, compared = CASES[name]
+    common = [*overrides, f"run.steps={steps}", f"run.eval_every={steps}",
+              "run.save_every=0", "run.resume=none"]
+    cfg = load_config(overrides=common)
+    capacity = auto_capacity(tenant_sizes(cfg, model_dir(cfg, work / "model")))
+    tight = run_loop([*common, f"run.slot_memory={capacity}"], work / "tight")
+    other = run_loop([*common, *compared], work / "compared")
+    found = entry(tight, capacity)
+    ratio = found["bytes_moved_per_step"] / found["bytes_required_per_step"]
+    found.update(moved_over_required=ratio, compared_to=" ".join(compared),
+                 same_steps=learned(tight) == learned(other))
+    found["checks"] = [failed for failed, bad in (
+        (f"moved/required {ratio:.3f} outside [0.9, 1.05]", not 0.9 <= ratio <= 1.05),
+        (f"a slot held {found['peak_over_capacity_bytes']} B over its capacity",
+         found["peak_over_capacity_bytes"] > 0),
+        (f"steps differ from the run with {found['compared_to']}", not found["same_steps"]),
+    ) if bad]
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--case-steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     results: dict[str, dict] = {}
@@ -98,6 +144,14 @@ def main() -> None:
                 "same_eval_as_exclusive": all(r["final_eval_reward"]
                                               == exclusive["final_eval_reward"]
                                               for r in rows.values())}
+        results["cases"] = {}
+        for name in CASES:
+            case = run_case(name, args.case_steps, work / "cases" / name.replace(" ", ""))
+            results["cases"][name] = case
+            print(f"{name:16} capacity {case['capacity_bytes'] / 2**20:8.2f} MiB: moved/"
+                  f"required {case['moved_over_required']:.3f}, same steps as "
+                  f"{case['compared_to']}: {case['same_steps']}, "
+                  f"{'; '.join(case['checks']) or 'all checks hold'}", flush=True)
     text = json.dumps(results, indent=2)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -157,6 +157,12 @@ class Switchboard(Handoffs):
     def is_tenant(self, name: str) -> bool:
         return name in self.tenants
 
+    def roomy_for(self, name: str) -> bool:
+        """Whether every slot of `name` is roomy in the view (`room.roomy`): all its tenants
+        awake and all their working memories fitting at once, so no call there needs a
+        switch."""
+        return all(s in self.roomy for s in self.tenants.get(name, ()))
+
     def slots_of(self, name: str) -> list[tuple[int, int]]:
         """The (host, slot)s of tenant `name`."""
         self._by_host(name)  # an unknown name fails here

@@ -229,11 +229,12 @@ class Loop:
                               seed=self.cfg.run.seed * 1_000_003 + index * 10_007)
 
     def _side_by_side(self) -> bool:
-        """Whether the generator, awake, has the trainer (and the reference) awake beside it
-        on its slots: then calls of both need no switch."""
-        rt = self.runtime
-        return all(rt.rm.routable(name) for service in rt.services().values()
-                   for name in service.tenant_names())
+        """Whether the generator's calls can run beside the trainer's: on slots of their own
+        (`run.colocate=false`), or on roomy ones (every tenant awake, all their working
+        memories fitting at once)."""
+        board = self.runtime.rm.switchboard
+        return not self.cfg.run.colocate or all(
+            board.roomy_for(name) for name in self.runtime.generator.tenant_names())
 
     async def _generating(self, prompts: list[list[int]], params: SamplingParams) -> list:
         """`generate_ids` in the generator's phase (a round started while a step trains)."""
