@@ -13,9 +13,10 @@ reward, which the policy must not change (same seed).
 
 Then the shapes beyond one slot and two tenants (`CASES`: two slots under DDP and FSDP, a
 reference, partial rollouts overlapping a tight slot), each at its tight capacity, checked
-(`checks`): moved/required within [0.9, 1.05] from the second step on, no slot over its capacity, and every step's
-metrics equal to the exclusive policy's run (for the overlap, which the exclusive policy
-refuses: to the same run on ample slots). tests/test_step_budget.py runs one of them.
+(`checks`): moved/required within [0.9, 1.05] from the second step on, no slot over its
+capacity, and every step's metrics equal to the exclusive policy's run (for the overlap,
+which the exclusive policy refuses: to the same run on ample slots).
+tests/test_step_budget.py runs two of them.
 
     .venv/bin/python -m bench.budget [--steps 20] [--case-steps 10] [--out FILE]
 """

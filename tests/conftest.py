@@ -15,7 +15,7 @@ from procenv import environ
 try:  # the GPU machine runs tests/gpu in plain processes, without Monarch
     import monarch  # noqa: F401
 
-    pytest_plugins = ["colocate.testing"]
+    pytest_plugins = ["colocate.testing", "slurm_cluster"]
 except ImportError:
     pytest_plugins = []
 

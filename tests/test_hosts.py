@@ -187,8 +187,8 @@ def test_dryrun_kubernetes():
 
 
 def test_unknown_scheduler_names_the_accepted_ones():
-    for bad in ("slurm", "torchx:", "nope", 42):
-        with pytest.raises(ValueError, match='"local", "processes", "torchx:<scheduler>"'):
+    for bad in ("torchx:", "nope", 42):
+        with pytest.raises(ValueError, match='"local", "processes", "slurm", "torchx:<scheduler>"'):
             start_hosts(bad)
 
 

@@ -12,6 +12,10 @@ Schedulers and how each starts:
 - ``"processes"``: N local hosts through ``monarch.job.ProcessJob({"hosts": N})``: each is a
   subprocess running ``run_worker_loop_forever`` on a unix socket (``ipc://``).
   ``stop()`` shuts the mesh down, then ``job.kill()`` (SIGTERM, then SIGKILL).
+- ``"slurm"``: N nodes allocated by ``sbatch``, one host per node (see ``slurm_hosts``:
+  the project's own launch, or Monarch's ``SlurmJob`` where the cluster's Slurm is new
+  enough); options name the partition, time limit, GPUs per node, ... ``stop()`` shuts the
+  mesh down, then ``scancel``s the job.
 - ``"torchx:<scheduler>"``: a torchx app of N worker replicas (``local_cwd``, ``slurm``,
   ``kubernetes``, ...; see ``torchx_hosts``); ``stop()`` shuts the mesh down, then cancels
   the app. ``dryrun_torchx()`` shows the request (sbatch script, Volcano job) without
@@ -21,7 +25,8 @@ Schedulers and how each starts:
   has several); ``stop()`` shuts the mesh down, then ``job.kill()``.
 
 GPU discovery (`gpus_per_host`, `visible_gpus`, `run_on_slot_gpu`) is `colocate.resources.gpus`;
-the job object is `host_job`'s `HostJob`, the torchx launch `torchx_hosts`'.
+the job object is `host_job`'s `HostJob`, the torchx launch `torchx_hosts`', the Slurm one
+`slurm_hosts`'.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from __future__ import annotations
 from typing import Any
 
 from colocate.resources.host_job import HostJob, wait_initialized
+from colocate.resources.slurm_hosts import start_slurm
 from colocate.resources.torchx_hosts import start_torchx
 
-ACCEPTED = ('"local"', '"processes"', '"torchx:<scheduler>"', "a Monarch job (JobTrait)")
+ACCEPTED = ('"local"', '"processes"', '"slurm"', '"torchx:<scheduler>"',
+            "a Monarch job (JobTrait)")
 
 
 def start_hosts(
@@ -61,6 +68,8 @@ def start_hosts(
         return HostJob(this_host(), "local", 1, _owns_hosts=False)
     if scheduler == "processes":
         return _start_processes(n, timeout_s, **options)
+    if scheduler == "slurm":
+        return start_slurm(n, timeout_s, **options)
     if scheduler.startswith("torchx:") and scheduler != "torchx:":
         return start_torchx(scheduler.removeprefix("torchx:"), n, timeout_s, **options)
     raise ValueError(f"unknown scheduler {scheduler!r}; accepted: {', '.join(ACCEPTED)}")

@@ -10,7 +10,9 @@ replicas its own loopback port. When the launcher sets MONARCH_SERVICE_PROC_IDS 
 MONARCH_SERVICE_PROC_RANK, the address carries this host's service identity
 (`<proc-id>@tcp://...`), the form Monarch's Slurm/Kubernetes/SPMD launchers use.
 With `--parent-pid`, the worker exits when that process is gone (local runs: no orphans if
-the client dies without stopping its hosts).
+the client dies without stopping its hosts). With `--slurm` (one task per node of a Slurm
+job, see `colocate.resources.slurm_hosts`), H is the node's Slurm name ($SLURMD_NODENAME)
+and the service rank the node's index in the job ($SLURM_NODEID).
 """
 
 from __future__ import annotations
@@ -52,9 +54,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port-base", type=int, default=DEFAULT_PORT)
     parser.add_argument("--replica-id", type=int, default=0, help="added to --port-base")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when it is gone")
+    parser.add_argument("--slurm", action="store_true",
+                        help="host: $SLURMD_NODENAME, service rank: $SLURM_NODEID")
     args = parser.parse_args(argv)
 
-    address = worker_address(args.host or socket.getfqdn(), args.port_base + args.replica_id)
+    host = args.host
+    if args.slurm:
+        from monarch.job import SERVICE_PROC_RANK_ENV
+
+        host = host or os.environ["SLURMD_NODENAME"]
+        os.environ.setdefault(SERVICE_PROC_RANK_ENV, os.environ["SLURM_NODEID"])
+    address = worker_address(host or socket.getfqdn(), args.port_base + args.replica_id)
     if args.parent_pid is not None:
         _exit_with(args.parent_pid)
     print(f"colocate worker pid {os.getpid()} serving on {address}", flush=True)
