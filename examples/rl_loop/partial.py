@@ -30,8 +30,10 @@ once a step has taken its finished groups, the next step's prompts join the pool
 round continues every unfinished sample (`prefetch`), on the weights of this step, beside
 the scoring and the training; the loop takes its tokens in before its checkpoint and the
 sync (`Prefetch.absorb`). The round has the token budget too, so it ends by itself and the
-run repeats; on slots with room for both (`run.slot_memory`) the two run side by side,
-otherwise the switches take them in turn. The next step then starts with that round done.
+run repeats. On roomy slots (both tenants and their working memory fit) the two run side
+by side; otherwise the round runs first, to its end, before the trainer's wake, which
+would otherwise throw out what the round's wake brought in (`PartialRollouts.start_next`).
+The next step then starts with that round done.
 """
 
 from __future__ import annotations
