@@ -116,11 +116,12 @@ def _arguments(tool: Tool, arguments: dict[str, Any] | str) -> dict[str, Any] | 
 
 
 async def call_tool(tool: Tool | None, name: str, arguments: dict[str, Any] | str,
-                    timeout_s: float, run_sync: Callable[..., Any] | None = None
+                    timeout_s: float, threads: set[threading.Thread] | None = None
                     ) -> ToolResult:
     """Call `tool` (None: no tool of that `name`) with `arguments` (an object, or its JSON)
-    within `timeout_s`; never raises for what the tool does (see module). `run_sync(fn,
-    **kwargs)` runs a sync tool (default: `asyncio.to_thread`)."""
+    within `timeout_s`; never raises for what the tool does (see module). A sync tool runs
+    on a daemon thread of its own (added to `threads`): one stuck past its limit holds no
+    pool's worker, nor the process's exit."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     if tool is None:
@@ -132,7 +133,7 @@ async def call_tool(tool: Tool | None, name: str, arguments: dict[str, Any] | st
         if tool.is_async:
             work = tool.fn(**kwargs)
         else:
-            work = (run_sync or asyncio.to_thread)(tool.fn, **kwargs)
+            work = _on_thread(tool.fn, kwargs, threads if threads is not None else set())
         value = await asyncio.wait_for(work, timeout_s)
     except TimeoutError:
         return ToolResult(f"error: {name} did not answer within {timeout_s} s", "timeout",
@@ -147,6 +148,33 @@ async def call_tool(tool: Tool | None, name: str, arguments: dict[str, Any] | st
         return ToolResult(f"error: {name} returned a {type(value).__name__}, not text or "
                           "JSON", "not_text", loop.time() - start)
     return ToolResult(text, None, loop.time() - start)
+
+
+def _on_thread(fn: Callable[..., Any], kwargs: dict[str, Any],
+               threads: set[threading.Thread]) -> asyncio.Future[Any]:
+    """`fn(**kwargs)` on a daemon thread of its own, as a future of this loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            (future.set_result if ok else future.set_exception)(value)
+
+    def run() -> None:
+        try:
+            outcome = (True, fn(**kwargs))
+        except BaseException as err:  # handed to the caller as the tool's failure
+            outcome = (False, err)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # its loop closed meanwhile: nobody waits for it
+            pass
+
+    thread = threading.Thread(target=run, name=f"tool-{getattr(fn, '__name__', 'fn')}",
+                              daemon=True)
+    threads.add(thread)
+    thread.start()
+    return future
 
 
 class ToolActor(Actor):
@@ -179,28 +207,4 @@ class ToolActor(Actor):
         self.calls += 1
         self._running = {t for t in self._running if t.is_alive()}
         return await call_tool(self.tools.get(name), name, arguments, self.timeout_s,
-                               self._on_thread)
-
-    def _on_thread(self, fn: Callable[..., Any], **kwargs: Any) -> asyncio.Future[Any]:
-        """`fn(**kwargs)` on a daemon thread of its own: one stuck past its time limit
-        keeps no pool's worker and does not hold the proc's exit."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-
-        def settle(ok: bool, value: Any) -> None:
-            if not future.done():
-                (future.set_result if ok else future.set_exception)(value)
-
-        def run() -> None:
-            try:
-                result = fn(**kwargs)
-            except BaseException as err:  # handed to the caller as the tool's failure
-                loop.call_soon_threadsafe(settle, False, err)
-            else:
-                loop.call_soon_threadsafe(settle, True, result)
-
-        thread = threading.Thread(target=run, name=f"tool-{getattr(fn, '__name__', 'fn')}",
-                                  daemon=True)
-        self._running.add(thread)
-        thread.start()
-        return future
+                               self._running)
