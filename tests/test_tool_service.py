@@ -66,6 +66,15 @@ def opaque(x: int) -> str:
     """
     return object()
 
+async def blocks(seconds: float) -> str:
+    """Block the worker's event loop (a bug: time.sleep in an async tool).
+
+    Args:
+        seconds: how long
+    """
+    time.sleep(seconds)
+    return "blocked"
+
 def dies(x: int) -> str:
     """Kill this proc.
 
@@ -76,7 +85,7 @@ def dies(x: int) -> str:
     time.sleep(60)
     return "never"
 '''
-NAMES = ("add", "fails", "sleeps", "naps", "opaque", "dies")
+NAMES = ("add", "fails", "sleeps", "naps", "opaque", "blocks", "dies")
 
 
 @pytest.fixture
@@ -89,7 +98,8 @@ def specs(tmp_path: Path) -> list[str]:
 async def test_tool_calls_end_as_results_or_counted_error_observations(specs):
     """One runtime for both parts: its start is most of the test's time."""
     async with start_runtime(gpus_per_host=1):
-        tools = await ToolClient.spawn(ToolsConfig(funcs=specs, timeout_s=0.5, workers=2))
+        tools = await ToolClient.spawn(ToolsConfig(funcs=specs, timeout_s=0.5, workers=2),
+                                       grace_s=3.0)  # short, for the hung case
         assert tools.names == list(NAMES)
         assert await tools.service.schemas.route() == tools.schemas  # loaded in the proc too
         await errors_are_observations(tools)
@@ -140,8 +150,22 @@ async def killed_workers_cost_a_retry_or_an_observation(tools: ToolClient) -> No
     assert lost.error == "lost" and "was lost" in lost.content
     assert time.monotonic() - start < tools.bound_s
     assert tools.stats.errors["lost"] == 1
+    await all_back(tools)
+    start = time.monotonic()
+    generations = [r.generation for r in tools.service.replicas]
+    hung = await tools.call("blocks", {"seconds": 60})  # no answer: each worker killed
+    assert (hung.error, hung.content) == ("lost", "error: blocks was lost: the worker "
+                                          "calling it died or hung, and so did the retry's")
+    assert time.monotonic() - start < tools.bound_s
+    await all_back(tools)
+    # each found hung by the service (call_timeout_s), killed and respawned
+    assert [r.generation for r in tools.service.replicas] == [g + 1 for g in generations]
+    assert (await tools.call("add", {"a": 1, "b": 1})).content == "2"
+
+
+async def all_back(tools: ToolClient) -> None:
     for _ in range(300):  # the workers come back by themselves
         if all(r.state is ReplicaState.HEALTHY for r in tools.service.replicas):
-            break
+            return
         await asyncio.sleep(0.1)
-    assert (await tools.call("add", {"a": 1, "b": 1})).content == "2"
+    raise AssertionError(tools.service.failures())

@@ -87,28 +87,33 @@ class ToolClient:
     """Calls the tools through `service` (ToolActor replicas); see module."""
 
     def __init__(self, service: Service[ToolActor], cfg: ToolsConfig,
-                 schemas: list[dict[str, Any]]) -> None:
+                 schemas: list[dict[str, Any]], grace_s: float = GRACE_S) -> None:
         self.service, self.cfg, self.schemas = service, cfg, schemas
         self.names = [s["function"]["name"] for s in schemas]
         self.stats = ToolStats()
         self._slots = asyncio.Semaphore(cfg.workers)
-        # a first try and a retry, each within the tools' limit, and the messages' way
-        self.bound_s = 2 * (cfg.timeout_s + GRACE_S)
+        # a first try and a retry, each within the workers' bound (past it the service
+        # kills a hung worker), and the kill's and the retry's way: the service ends a
+        # call before this bound does, unless the call waits for a worker to come back
+        self.bound_s = 2 * (cfg.timeout_s + grace_s) + grace_s
 
     @classmethod
     async def spawn(cls, cfg: ToolsConfig, resource_group: str = "tools",
-                    rm: ResourceManager | None = None) -> ToolClient:
+                    rm: ResourceManager | None = None, grace_s: float = GRACE_S
+                    ) -> ToolClient:
         """The tools loaded here (a bad spec is refused before any proc starts), then
         `cfg.workers` workers spawned in `resource_group`, a group of their own without
-        GPUs (`colocate.engines.tools.ToolSpecError` names a bad spec)."""
+        GPUs (`colocate.engines.tools.ToolSpecError` names a bad spec). A worker that does
+        not answer within `cfg.timeout_s + grace_s` (a tool that blocks its event loop)
+        counts as hung: its proc is killed and respawned, and the call tried once more."""
         schemas = [tool.schema for tool in load_tools(cfg.funcs).values()]
         config = ServiceConfig(
             num_replicas=cfg.workers, with_gpus=False, resource_group=resource_group,
-            router="least_loaded", max_retries=1, wait_timeout_s=cfg.timeout_s + GRACE_S,
-            call_timeout_s=cfg.timeout_s + GRACE_S)  # past it: hung, its proc killed
+            router="least_loaded", max_retries=1, wait_timeout_s=cfg.timeout_s + grace_s,
+            call_timeout_s=cfg.timeout_s + grace_s)
         service = await spawn_service(config, ToolActor, list(cfg.funcs), cfg.timeout_s,
                                       name=f"{resource_group}-workers", rm=rm)
-        return cls(service, cfg, schemas)
+        return cls(service, cfg, schemas, grace_s)
 
     async def call(self, name: str, arguments: dict[str, Any] | str) -> ToolResult:
         """Tool `name` with `arguments` (an object, or its JSON) on a worker: its result,
@@ -125,13 +130,15 @@ class ToolClient:
             return await asyncio.wait_for(self.service.call.route(name, arguments),
                                           self.bound_s)
         except TimeoutError:
-            what = f"no worker answered within {self.bound_s} s"
-        except ServiceError as err:  # its worker died, and the retry's too (or none came)
+            told = what = f"no worker answered within {self.bound_s} s"
+        except ServiceError as err:  # its worker died or hung, and the retry's too
+            told = "the worker calling it died or hung, and so did the retry's"
             what = f"{type(err).__name__}: {_first_line(err)}"
         except Exception as err:  # the worker's own failure, not the tool's (see module)
-            what = f"the worker failed: {type(err).__name__}: {_first_line(err)}"
+            told = "the worker calling it failed"
+            what = f"{type(err).__name__}: {_first_line(err)}"
         logger.warning("tool %s: %s", name, what)
-        return ToolResult(f"error: {name} was lost: {what}", "lost", loop.time() - start)
+        return ToolResult(f"error: {name} was lost: {told}", "lost", loop.time() - start)
 
     def take_stats(self) -> ToolStats:
         """The calls' stats since the last take (a step's), and a new count."""
