@@ -19,6 +19,7 @@ from examples.rl_loop.tasks import multiply, multiply_reward, multiply_tools
 from examples.rl_loop.tool_calls import (
     ParsedTurn,
     ToolCall,
+    observations,
     parse_hermes,
     parse_plain,
     parse_template,
@@ -204,6 +205,24 @@ def test_the_multiply_task_holds_out_its_eval_and_scores_the_final_answer(tmp_pa
     assert multiply_reward.correct(completions, ["56088"] * 5) == [1.0, 1.0, 0.6, 1.0, 0.0]
 
 
+def test_a_plain_transcript_is_in_the_character_models_vocabulary(tmp_path):
+    """The multiply task's characters and the plain form's: the tiny model built over
+    them reads and writes a whole tool-using transcript."""
+    from colocate.engines.models import load_tokenizer
+    from colocate.engines.tiny import write_tiny_model
+    from examples.rl_loop.data import characters, read_rows
+
+    files = [str(p) for p in multiply.write(tmp_path / "data", train_size=50, eval_size=5)]
+    alphabet = "".join(sorted(set(characters(read_rows(files, "data.train_files", "prompt")))
+                              | set(plain_alphabet(["calc"]))))
+    tokenizer = load_tokenizer(str(write_tiny_model(tmp_path / "m", "llama",
+                                                    alphabet=alphabet)))
+    transcript = "123*456=calc(123*456)" + render_plain("56088", None) + "56088"
+    tokens = tokenizer(transcript, add_special_tokens=False).input_ids
+    assert len(tokens) == len(transcript) and tokenizer.decode(tokens) == transcript
+    assert tokenizer.unk_token_id not in tokens
+
+
 # ---- tool-call forms ----
 
 def test_hermes_calls_are_parsed_and_bad_ones_told_apart():
@@ -228,6 +247,13 @@ def test_hermes_calls_are_parsed_and_bad_ones_told_apart():
         assert why in turn.bad[0].why and turn.content == "ok"
         assert turn.bad[0].observation()["content"].startswith("bad call: ")
     assert parse_hermes("no call here") == ParsedTurn("no call here")
+    mixed = parse_hermes(text + '<tool_call>{"arguments": {}}</tool_call>')
+    assert observations(mixed, ["3", "3"]) == [
+        {"role": "tool", "name": "calculator", "content": "3"},
+        {"role": "tool", "name": "calculator", "content": "3"},
+        {"role": "tool", "content": 'bad call: no tool name ("name": ...)'}]
+    with pytest.raises(ValueError, match="1 result.* for 2 call"):
+        observations(mixed, ["3"])
 
 
 def test_plain_calls_for_the_character_model():

@@ -77,6 +77,17 @@ class ParsedTurn:
         return message
 
 
+def observations(turn: ParsedTurn, contents: Sequence[str]) -> list[dict[str, Any]]:
+    """The tool messages after `turn`: one per call with its result's text (`contents`, in
+    the calls' order), then one per bad call telling what was wrong (chat templates render
+    them after the assistant message that made the calls)."""
+    if len(contents) != len(turn.calls):
+        raise ValueError(f"{len(contents)} result(s) for {len(turn.calls)} call(s)")
+    return [{"role": "tool", "name": call.name, "content": content}
+            for call, content in zip(turn.calls, contents, strict=True)] + [
+        bad.observation() for bad in turn.bad]
+
+
 def parse_hermes(text: str) -> ParsedTurn:
     """The Hermes form's calls in `text` (see module)."""
     calls: list[ToolCall] = []
