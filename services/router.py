@@ -10,6 +10,12 @@ A session is a block, `async with svc.session():` (`SessionRouter.session`): the
 routed inside it, in its task and in the tasks started there (they copy its context), are
 the session's, so `route` takes only the endpoint's own arguments. Each service's router
 keeps its own session in the context, so the sessions of two services nest apart.
+
+A session's end is final: a call routed after it (from a task started inside the block
+that outlived it) goes where the fallback sends it and is remembered nowhere. A session
+the caller names, `svc.session(id="traj-7")`, is the caller's to keep: its blocks (one per
+turn of a trajectory, in any task, across steps) resume it on its replica, and it ends only
+with `end(id)`; the caller ends it when the trajectory ends.
 """
 
 from __future__ import annotations
@@ -55,19 +61,26 @@ class SessionRouter:
     def __init__(self, fallback: Router) -> None:
         self.fallback = fallback
         self.sessions: dict[str, int] = {}  # session -> the index of its replica
+        self._open: set[str] = set()  # the sessions not ended: only they are remembered
         self._ids = itertools.count()
 
     @asynccontextmanager
-    async def session(self, prefix: str) -> AsyncIterator[str]:
-        """A session (its id: `prefix`-n) for the calls routed inside the block (see
-        module); the router forgets it after."""
-        session = f"{prefix}-{next(self._ids)}"
+    async def session(self, prefix: str, id: str | None = None) -> AsyncIterator[str]:
+        """A session for the calls routed inside the block (see module): a new one (its
+        id: `prefix`-n), ended with the block; or the caller's own `id`, begun or resumed,
+        which outlives the block until `end(id)`."""
+        if id is not None and (not isinstance(id, str) or not id):
+            raise ValueError(f"session id {id!r}: give a non-empty str (the caller's own "
+                             "name for it, e.g. a trajectory's id), or None for a new one")
+        session = f"{prefix}-{next(self._ids)}" if id is None else id
+        self._open.add(session)
         token = _sessions.set({**_sessions.get({}), self: session})
         try:
             yield session
         finally:
             _sessions.reset(token)
-            self.end(session)
+            if id is None:
+                self.end(session)
 
     def current(self) -> str | None:
         """The session of the innermost `session` block of this router around the caller
@@ -81,12 +94,14 @@ class SessionRouter:
                 if replica.index == mine:
                     return replica
         replica = self.fallback.pick(candidates)
-        if session is not None:
+        if session in self._open:  # an ended one is not brought back
             self.sessions[session] = replica.index
         return replica
 
     def end(self, session: str) -> None:
-        """Forget `session` (its `Service.session` block ended)."""
+        """End `session` for good: forget its replica; calls routed in it later are routed
+        as without one (see module)."""
+        self._open.discard(session)
         self.sessions.pop(session, None)
 
 

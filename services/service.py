@@ -258,11 +258,12 @@ class Service(Picking, Generic[A]):
             if not isinstance(err, Exception):
                 raise
 
-    def session(self) -> AbstractAsyncContextManager[str]:
+    def session(self, id: str | None = None) -> AbstractAsyncContextManager[str]:
         """`async with svc.session():` the calls routed inside (in this task, and in the
         tasks it starts) stick to one replica while it can take them; another service's
-        session leaves them be. Yields the session's id (`router.sessions` keys)."""
-        return self.router.session(self.name)
+        session leaves them be. Yields the session's id (`router.sessions` keys). With `id`:
+        the caller's session, resumed by each block, kept until `svc.router.end(id)`."""
+        return self.router.session(self.name, id)
 
     # -- replicas ----------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 from colocate.resources.manager import ResourceManager, current
 from colocate.resources.packing import ResourceRequest
-from services.config import ServiceConfig
+from services.config import ServiceConfig, ServiceConfigError
 from services.restart import group_restarts
 from services.service import Service
 
@@ -39,6 +39,11 @@ async def spawn_service(config: ServiceConfig, actor_class: type[A], *args: Any,
     config.check_fits(rm.num_hosts, rm.gpus_per_host)
     group = config.resource_group or name
     request = ResourceRequest(group, config.hosts_per_replica, config.procs, config.with_gpus)
+    if rm.has_group(group) and not config.with_gpus and rm.group(group).placement.with_gpus:
+        raise ServiceConfigError(
+            f"ServiceConfig: with_gpus=False, but resource group {group!r} has GPUs: its "
+            f"procs are slot procs, which {name!r} would share (and a proc it loses would be "
+            "a slot's); give it a resource group of its own")
     if not rm.has_group(group):  # room for max_replicas, so scaling up finds procs
         await rm.reserve(_group_for(request, config.max, rm.gpus_per_host))
     service = Service(name, config, actor_class, rm, request, group_restarts(group, rm),

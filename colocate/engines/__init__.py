@@ -22,6 +22,8 @@
 - `parallel`: joining a replica's torch.distributed group, FSDP2 sharding.
 - `actors`: `TrainerActor`, `GeneratorActor` and `ReferenceActor`, the engines as Monarch
   tenants.
+- `tools`: tools as users write them (functions with type hints and a docstring, their
+  JSON schemas), and `ToolActor`, which calls them by name in a proc of its own.
 - `compute_thread`: `ComputeThread`, where an engine actor's step runs: a thread of its
   own, whose malloc arena Monarch's threads do not share.
 """

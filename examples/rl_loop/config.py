@@ -10,6 +10,8 @@
     grpo:     GRPOConfig fields
     rollout:  RolloutConfig fields: sync, or partial rollouts with a token budget per step
     run:      RunConfig fields
+    tools:    ToolsConfig fields: the user's tools, called in a service of their own
+    env:      EnvConfig fields: the user's stateful environment for multi-turn rollouts
 
 The YAML file is merged over the defaults, then the command line's `section.field=value`
 overrides (`run.steps=20`, `grpo.lr=1e-3`, `model.path=/models/qwen`). Each value is
@@ -34,10 +36,12 @@ from colocate.engines.parallel import PARALLEL
 from colocate.engines.tiny import ARCHITECTURES
 from colocate.engines.trainer import BUCKET_MB
 from examples.rl_loop.data import DataConfig
+from examples.rl_loop.envs import EnvConfig
 from examples.rl_loop.grpo import GRPOConfig
 from examples.rl_loop.rewards import RewardConfig
 from examples.rl_loop.rollouts import RolloutConfig
 from examples.rl_loop.task import TaskConfig
+from examples.rl_loop.tools import ToolsConfig
 
 DEFAULT = Path(__file__).with_name("config.yaml")
 ENGINES = ("torch", "vllm")
@@ -156,6 +160,8 @@ class RLConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
         if self.data.used and not self.reward.funcs:

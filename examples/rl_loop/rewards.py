@@ -17,19 +17,16 @@ time.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import math
 import multiprocessing
 import numbers
-import sys
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from colocate import loading
 
 ON_ERROR = ("stop", "skip")
 RESERVED = ("prompts", "completions", "completion_ids")  # the arguments every call gets
@@ -67,40 +64,9 @@ class RewardError(RuntimeError):
 
 
 def load_function(spec: str) -> Callable[..., Any]:
-    """The function `spec` names: `module:function` (a module importable from here) or
-    `path/to/file.py:function` (a file anywhere, loaded as a module of its own)."""
-    module_name, _, name = spec.rpartition(":")
-    try:
-        if module_name.endswith(".py") or "/" in module_name:
-            path = Path(module_name).expanduser().resolve()
-            if not path.is_file():
-                raise RewardError(f"reward.funcs: {spec}: no such file {module_name}")
-            # a name of its own per file: two reward files may share a stem
-            unique = f"_reward_{path.stem}_{zlib.crc32(str(path).encode()):08x}"
-            module = sys.modules.get(unique)
-            if module is None:
-                loader = importlib.util.spec_from_file_location(unique, path)
-                module = importlib.util.module_from_spec(loader)
-                sys.modules[unique] = module  # its dataclasses and pickles find it
-                loader.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except RewardError:
-        raise
-    except ModuleNotFoundError as err:
-        raise RewardError(f"reward.funcs: {spec}: no module {err.name!r} on the path; give "
-                          "a module importable from where the run starts, or the path of "
-                          "its .py file") from None
-    except Exception as err:
-        raise RewardError(f"reward.funcs: {spec}: importing {module_name} failed: "
-                          f"{type(err).__name__}: {err}") from err
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise RewardError(f"reward.funcs: {spec}: {module_name} has no {name!r}")
-    if not callable(fn):
-        raise RewardError(f"reward.funcs: {spec}: {name} is a {type(fn).__name__}, not a "
-                          "function")
-    return fn
+    """The function `spec` names (`colocate.loading.load_function`), refused with a
+    `RewardError` naming reward.funcs."""
+    return loading.load_function(spec, "reward.funcs", RewardError)
 
 
 @dataclass
