@@ -356,10 +356,10 @@ def test_an_environment_is_loaded_checked_and_stepped(tmp_path):
 
 def test_the_tools_and_env_sections_are_config_fields():
     cfg = load_config(overrides=[f"tools.funcs={CALCULATOR}", "tools.timeout_s=2.5",
-                                 "tools.workers=2", "tools.bad_call_reward=-1",
+                                 "tools.workers=2", "rollout.bad_call_reward=-1",
                                  "env.cls=my_env:Counter"])
     assert (cfg.tools.funcs, cfg.tools.timeout_s, cfg.tools.workers) == ([CALCULATOR], 2.5, 2)
-    assert cfg.tools.bad_call_reward == -1 and cfg.env.cls == "my_env:Counter"
+    assert cfg.rollout.bad_call_reward == -1 and cfg.env.cls == "my_env:Counter"
     assert load_config().tools.funcs == [] and load_config().env.cls is None
     for override, match in [("tools.workers=0", "tools.workers=0: must be >= 1"),
                             ("tools.timeout_s=0", "tools.timeout_s=0.0: must be a number > 0"),

@@ -11,6 +11,7 @@ unfinished samples across steps and may overlap the next step's generation with 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ class RolloutConfig:
     on_stale: str = "finish"  # partial, past max_staleness: finish it now, or drop its group
     is_cap: float = 2.0  # partial: the truncation C of the importance weight of older tokens
     overlap: bool = False  # partial: the next step's first round generated while one trains
+    bad_call_reward: float = 0.0  # tools: the reward of an episode with a call that won't parse
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -47,6 +49,8 @@ class RolloutConfig:
         for name in ("max_tokens_per_step", "max_staleness"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name}={getattr(self, name)}: must be >= 1")
+        if not math.isfinite(self.bad_call_reward):
+            raise ValueError(f"rollout.bad_call_reward={self.bad_call_reward}: must be finite")
         if not self.is_cap >= 1:
             raise ValueError(f"rollout.is_cap={self.is_cap}: must be >= 1")
         if self.overlap and not self.partial:

@@ -17,7 +17,7 @@ Three forms:
 A call written badly (not JSON, no name, arguments that are not an object, a `<tool_call>`
 never closed, a plain call naming no tool) is a `BadCall`, never an exception: its
 `observation()` tells the model what was wrong, and the rollout may score the trajectory
-with `tools.bad_call_reward`.
+with `rollout.bad_call_reward`.
 """
 
 from __future__ import annotations

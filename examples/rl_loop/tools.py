@@ -40,7 +40,6 @@ class ToolsConfig:
     funcs: list[str] = field(default_factory=list)  # module:function or file.py:function
     timeout_s: float = 10.0  # one call's limit; past it the call is an error observation
     workers: int = 1  # procs calling tools (each one call at a time), without GPUs
-    bad_call_reward: float = 0.0  # the reward of a trajectory with a call that does not parse
 
     def __post_init__(self) -> None:
         for spec in self.funcs:
@@ -52,8 +51,6 @@ class ToolsConfig:
             raise ValueError(f"tools.timeout_s={self.timeout_s}: must be a number > 0")
         if self.workers < 1:
             raise ValueError(f"tools.workers={self.workers}: must be >= 1")
-        if not math.isfinite(self.bad_call_reward):
-            raise ValueError(f"tools.bad_call_reward={self.bad_call_reward}: must be finite")
 
     @property
     def used(self) -> bool:
