@@ -173,6 +173,15 @@ class RLConfig:
         if self.data.used and self.grpo.max_completion_length is None:
             raise ValueError("data.train_files needs grpo.max_completion_length: the most "
                              "tokens a completion may have (the digit task sets its own)")
+        if self.tools.used and not self.data.used:
+            raise ValueError("tools.funcs needs data.train_files: the prompts whose episodes "
+                             "call the tools (and reward.funcs to score them)")
+        if self.tools.used and self.rollout.partial:
+            raise ValueError("tools.funcs with rollout.mode=partial: episodes that span steps "
+                             "are not built yet; use rollout.mode=sync")
+        if self.env.cls is not None:
+            raise ValueError("env.cls: environments are not wired into the loop yet; give "
+                             "the episode's tools in tools.funcs")
         if self.rollout.overlap and self.run.policy == "exclusive" and self.run.colocate:
             raise ValueError("rollout.overlap=true generates beside the training, but "
                              "run.policy=exclusive keeps one tenant awake a slot: use "

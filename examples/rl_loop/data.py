@@ -157,14 +157,16 @@ def characters(rows: list[dict[str, Any]]) -> str:
     return "".join(sorted(seen))
 
 
-def render(rows: list[dict[str, Any]], cfg: DataConfig, tokenizer: Any, setting: str
-           ) -> tuple[list[Row], int]:
-    """The rows as prompts for the model, and how many were dropped as too long."""
+def render(rows: list[dict[str, Any]], cfg: DataConfig, tokenizer: Any, setting: str,
+           tools: list[dict[str, Any]] | None = None) -> tuple[list[Row], int]:
+    """The rows as prompts for the model, and how many were dropped as too long; chat
+    prompts show the model `tools` (their JSON schemas) where given."""
     kept: list[Row] = []
     dropped = 0
     for index, row in enumerate(rows):
         prompt = row[cfg.prompt_key]
-        text, tokens = _render(prompt, tokenizer, f"{setting}, row {index}", cfg.prompt_key)
+        text, tokens = _render(prompt, tokenizer, f"{setting}, row {index}", cfg.prompt_key,
+                               tools)
         if cfg.max_prompt_length is not None and len(tokens) > cfg.max_prompt_length:
             if cfg.too_long == "error":
                 raise ValueError(f"{setting}, row {index}: the prompt is {len(tokens)} tokens, "
@@ -181,7 +183,8 @@ def render(rows: list[dict[str, Any]], cfg: DataConfig, tokenizer: Any, setting:
     return kept, dropped
 
 
-def _render(prompt: Any, tokenizer: Any, where: str, key: str) -> tuple[str, list[int]]:
+def _render(prompt: Any, tokenizer: Any, where: str, key: str,
+            tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
     """A prompt's text and tokens: text as it is (with the special tokens the tokenizer
     adds), chat messages through the chat template (which places its own)."""
     if isinstance(prompt, str):
@@ -193,7 +196,8 @@ def _render(prompt: Any, tokenizer: Any, where: str, key: str) -> tuple[str, lis
             raise ValueError(f"{where}: the prompt is chat messages, but the model's tokenizer "
                              "has no chat template to render them with: use a model whose "
                              "tokenizer has one (model.path), or text prompts")
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False,
+                                             add_generation_prompt=True)
         tokens = tokenizer(text, add_special_tokens=False).input_ids
     else:
         raise ValueError(f"{where}: data.prompt_key={key!r} holds {type(prompt).__name__} "

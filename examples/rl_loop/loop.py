@@ -34,6 +34,7 @@ from colocate.engines.sampling import SamplingParams
 from examples.rl_loop.batch import ReferenceLogprobs, losses, scored_batch
 from examples.rl_loop.budget import budget_summary
 from examples.rl_loop.config import RLConfig, as_dict
+from examples.rl_loop.episodes import AgentRollouts, make_transcript
 from examples.rl_loop.hooks import Hooks
 from examples.rl_loop.memory import ProcPeaks, devices_of, resident_per_proc
 from examples.rl_loop.partial import PartialRollouts
@@ -42,10 +43,11 @@ from examples.rl_loop.recovery import Recovery
 from examples.rl_loop.rollouts import Rollout, Rollouts
 from examples.rl_loop.runtime import Runtime, drop, model_dir, switch_ahead
 from examples.rl_loop.saves import Saves
-from examples.rl_loop.sources import check_fits, make_source
+from examples.rl_loop.sources import Scored, check_fits, make_source, max_positions
 from examples.rl_loop.state import RunLock
 from examples.rl_loop.summary import summarize
 from examples.rl_loop.timing import StepClock
+from examples.rl_loop.tools import tool_schemas
 from services import Service, sync_weights
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,11 @@ class Loop:
                  self.sampling, cfg.grpo, cfg.generator.max_batch)
         if cfg.rollout.partial:
             return PartialRollouts(*parts, cfg.rollout, self.model_dir)
+        if cfg.tools.used:
+            transcript = make_transcript(self.tokenizer, tool_schemas(cfg.tools),
+                                         cfg.rollout.tool_format)
+            return AgentRollouts(*parts, cfg.rollout, transcript,
+                                 lambda: self.runtime.tools, max_positions(self.model_dir))
         return Rollouts(*parts)
 
     def _refused(self, err: Exception) -> None:
@@ -157,10 +164,8 @@ class Loop:
     async def evaluate(self, where: str = "the evaluation") -> float:
         """The mean reward of greedy completions of the held-out prompts (those the reward
         functions gave none left out)."""
-        rows = self.source.eval_rows()
-        _, completions = await self.runtime.generate(rows, self.greedy, 1)
-        texts = [self.decode(c.tokens) for c in completions]
-        scored = await self.source.score(where, rows, texts, completions)
+        rollout = await self.rollouts.episodes(self.source.eval_rows(), self.greedy, 1)
+        scored = await self._score(where, rollout, 1)
         rewards = [v for v in scored.values if v is not None]
         if not rewards:
             logger.warning("%s: no eval prompt got a reward: eval reward 0", where)
@@ -245,14 +250,24 @@ class Loop:
                       ) -> tuple[dict[str, Any], dict[str, Any], float | None]:
         """Step `index`'s rollout scored by the reward functions: the training batch
         (group-relative advantages), its statistics and its importance weight's cap."""
-        rows = [row for row in rollout.rows for _ in range(self.cfg.grpo.group_size)]
-        texts = await asyncio.to_thread(
-            lambda: [self.decode(c.tokens) for c in rollout.completions])
-        result = await self.source.score(f"step {index}", rows, texts, rollout.completions)
+        result = await self._score(f"step {index}", rollout, self.cfg.grpo.group_size)
         batch, stats = await asyncio.to_thread(scored_batch, rollout.tokens,
                                                rollout.completions, result, self.cfg.grpo,
                                                self.pad_id)
-        return batch, stats, self.rollouts.weigh(rollout, batch)
+        return batch, stats, self.rollouts.finish_batch(rollout, batch)
+
+    async def _score(self, where: str, rollout: Rollout, copies: int) -> Scored:
+        """The reward functions' scores of `rollout` (`copies` samples a row), with what the
+        rollouts add to each (a bad tool call's penalty)."""
+        rows = [row for row in rollout.rows for _ in range(copies)]
+        texts = await asyncio.to_thread(
+            lambda: [self.decode(c.tokens) for c in rollout.completions])
+        scored = await self.source.score(where, rows, texts, rollout.completions,
+                                         rollout.conversations)
+        if rollout.extra_rewards is not None:
+            scored.values = [None if v is None else v + extra for v, extra
+                             in zip(scored.values, rollout.extra_rewards, strict=True)]
+        return scored
 
     async def run(self) -> dict[str, Any]:
         """Train up to `run.steps` steps (from the checkpoint `run.resume` names, if any),

@@ -181,7 +181,8 @@ class PartialRollouts(Rollouts):
             prefetched, self.prefetched = self.prefetched, None
             self.beside["prefetched_tokens"] = (await prefetched.absorb())["tokens"]
 
-    def weigh(self, rollout: Rollout, batch: dict[str, torch.Tensor]) -> float | None:
+    def finish_batch(self, rollout: Rollout, batch: dict[str, torch.Tensor]
+                     ) -> float | None:
         batch["behind"] = behind(rollout.tokens, rollout.completions, self.pool.version,
                                  batch["mask"])
         return self.cfg.is_cap if bool(batch["behind"].any()) else None

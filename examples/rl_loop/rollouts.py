@@ -2,7 +2,7 @@
 
 The step asks `generate(index)` for its scored-to-be samples while the generator is awake,
 lets the rollouts start what runs beside the scoring and the training (`start_next`), asks
-`weigh` for the importance correction the batch needs, takes in what ran beside the
+`finish_batch` for the batch's last touches, takes in what ran beside the
 training before the trainer's weights go out (`before_sync`), and tells them once the
 generator holds the new weights (`synced`). `Rollouts` is the sync mode itself (each step
 generates whole groups, nothing runs beside training); `partial.PartialRollouts` carries
@@ -24,6 +24,7 @@ from examples.rl_loop.grpo import GRPOConfig
 
 MODES = ("sync", "partial")
 ON_STALE = ("finish", "drop")
+TOOL_FORMATS = ("auto", "hermes", "template", "plain")
 
 # the loop's `generate_ids`: a completion of each prompt (token ids), seeded by `params`
 Generate = Callable[[list[list[int]], SamplingParams], Awaitable[list[Completion]]]
@@ -39,6 +40,11 @@ class RolloutConfig:
     on_stale: str = "finish"  # partial, past max_staleness: finish it now, or drop its group
     is_cap: float = 2.0  # partial: the truncation C of the importance weight of older tokens
     overlap: bool = False  # partial: the next step's first round generated while one trains
+    max_turns: int = 4  # tools: the model's turns in an episode at most
+    max_trajectory_tokens: int = 0  # tools: an episode's tokens after its prompt (0: the
+    # model's positions); past it the episode ends, counted as an overflow
+    tool_format: str = "auto"  # tools: how calls are written: auto (hermes where the
+    # tokenizer has a chat template, else plain), hermes, template, plain
     bad_call_reward: float = 0.0  # tools: the reward of an episode with a call that won't parse
 
     def __post_init__(self) -> None:
@@ -46,7 +52,13 @@ class RolloutConfig:
             raise ValueError(f"rollout.mode={self.mode!r}: use one of {MODES}")
         if self.on_stale not in ON_STALE:
             raise ValueError(f"rollout.on_stale={self.on_stale!r}: use one of {ON_STALE}")
-        for name in ("max_tokens_per_step", "max_staleness"):
+        if self.tool_format not in TOOL_FORMATS:
+            raise ValueError(f"rollout.tool_format={self.tool_format!r}: use one of "
+                             f"{TOOL_FORMATS}")
+        if self.max_trajectory_tokens < 0:
+            raise ValueError(f"rollout.max_trajectory_tokens={self.max_trajectory_tokens}: "
+                             "must be >= 0 (0: the model's positions)")
+        for name in ("max_tokens_per_step", "max_staleness", "max_turns"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name}={getattr(self, name)}: must be >= 1")
         if not math.isfinite(self.bad_call_reward):
@@ -71,6 +83,11 @@ class Rollout:
     tokens: list[list[int]]
     completions: list[Completion]
     metrics: dict[str, Any]
+    # multi-turn episodes (`episodes.py`): which completion tokens the model wrote, each
+    # sample's messages after a chat prompt (None: a text row's), a reward added to each
+    trained: list[list[bool]] | None = None
+    conversations: list[list[dict[str, Any]] | None] | None = None
+    extra_rewards: list[float] | None = None
 
 
 class Rollouts:
@@ -86,8 +103,13 @@ class Rollouts:
     async def generate(self, index: int) -> Rollout:
         """Step `index`'s samples (the generator awake)."""
         rows = self.source.sample(self.grpo.prompts_per_step)
-        tokens = [row.tokens for row in rows for _ in range(self.grpo.group_size)]
-        completions = await self.generate_ids(tokens, self.sampling(index))
+        return await self.episodes(rows, self.sampling(index), self.grpo.group_size)
+
+    async def episodes(self, rows: list[Row], params: SamplingParams, copies: int
+                       ) -> Rollout:
+        """`copies` samples of each row with `params` (the generator awake)."""
+        tokens = [row.tokens for row in rows for _ in range(copies)]
+        completions = await self.generate_ids(tokens, params)
         lengths = [len(c.tokens) for c in completions]
         idle = 1 - sum(lengths) / max(1, decode_slots(lengths, self.max_batch))
         return Rollout(rows, tokens, completions,
@@ -98,9 +120,11 @@ class Rollouts:
         `generate` takes the generator's turn; `side_by_side`, whether its slots hold the
         generator awake beside the trainer. Nothing, in sync mode."""
 
-    def weigh(self, rollout: Rollout, batch: dict[str, torch.Tensor]) -> float | None:
-        """The truncation of the importance weight the batch's loss needs (None: none, every
-        token the trainer's own version's), its per-token versions put in `batch`."""
+    def finish_batch(self, rollout: Rollout, batch: dict[str, torch.Tensor]
+                     ) -> float | None:
+        """The batch's last touches (what its mask leaves out, its tokens' versions); returns
+        the truncation of the importance weight its loss needs (None: none, every token the
+        trainer's own version's)."""
         return None
 
     async def before_sync(self) -> dict[str, Any]:

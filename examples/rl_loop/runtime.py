@@ -27,6 +27,7 @@ from examples.rl_loop.config import RLConfig
 from examples.rl_loop.data import Row
 from examples.rl_loop.recovery import Recovery
 from examples.rl_loop.reference import spawn_reference
+from examples.rl_loop.tools import ToolClient
 from services import (
     Service,
     ServiceConfig,
@@ -60,6 +61,7 @@ class Runtime:
 
     def __init__(self, cfg: RLConfig, model_dir: Path, recovery: Recovery) -> None:
         self.cfg, self.model_dir, self.recovery = cfg, model_dir, recovery
+        self.tools: ToolClient | None = None  # tools.funcs: the tools' own service
         # transformers' per-load progress bars (here and in the procs) would bury the loop's
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         self.reference: Service | None = None
@@ -102,6 +104,8 @@ class Runtime:
         self.generator.on_respawn.append(self._resync)
         if self.cfg.grpo.beta > 0:
             self.reference = await spawn_reference(self.cfg, path, groups[0], restart)
+        if self.cfg.tools.used:  # CPU procs of their own: a dying tool costs a call
+            self.tools = await ToolClient.spawn(self.cfg.tools, rm=self.rm)
         await self.load(checkpoint)
         self.moves = StepTraffic(self.rm)  # what each step's switches move, from here on
         await self.moves.since_last(self.services())

@@ -16,6 +16,8 @@ from examples.rl_loop import task
 from examples.rl_loop.data import DataSampler, Row, characters, read_rows, render
 from examples.rl_loop.rewards import RESERVED, RewardFunctions
 from examples.rl_loop.state import PromptSampler
+from examples.rl_loop.tool_calls import plain_alphabet
+from examples.rl_loop.tools import tool_names, tool_schemas
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,9 @@ class Source(Protocol):
     def eval_rows(self) -> list[Row]: ...
 
     async def score(self, where: str, rows: list[Row], texts: list[str],
-                    completions: list[Completion]) -> Scored: ...
+                    completions: list[Completion],
+                    conversations: list[list[dict[str, Any]] | None] | None = None
+                    ) -> Scored: ...
 
     def close(self) -> None: ...
 
@@ -82,7 +86,9 @@ class DigitTask:
         return [self._row(p) for p in task.eval_prompts(self.cfg)]
 
     async def score(self, where: str, rows: list[Row], texts: list[str],
-                    completions: list[Completion]) -> Scored:
+                    completions: list[Completion],
+                    conversations: list[list[dict[str, Any]] | None] | None = None
+                    ) -> Scored:
         return Scored([task.reward(row.prompt, text)
                        for row, text in zip(rows, texts, strict=True)])
 
@@ -107,16 +113,21 @@ class UserTask:
             raise ValueError(f"data: the column(s) {clash} would clash with the arguments "
                              f"every reward function gets {RESERVED}: rename them")
         self.rewards = RewardFunctions(cfg.reward)
+        # a tiny model's vocabulary: the data's characters, and those of plain tool calls
         self.alphabet = characters(self.raw["train"] + self.raw["eval"])
+        self.tools = tool_schemas(cfg.tools) if cfg.tools.used else None
+        if cfg.tools.used:
+            self.alphabet = "".join(sorted(set(self.alphabet)
+                                           | set(plain_alphabet(tool_names(cfg.tools)))))
         self.max_new_tokens = cfg.grpo.max_completion_length
         self.summary: dict[str, Any] = {}
 
     def prepare(self, tokenizer: Any) -> None:
         """Render both splits; count (and log) the prompts dropped as too long."""
         self.train, dropped = render(self.raw["train"], self.cfg, tokenizer,
-                                     "data.train_files")
+                                     "data.train_files", self.tools)
         self.eval, eval_dropped = render(self.raw["eval"], self.cfg, tokenizer,
-                                         "data.eval_files")
+                                         "data.eval_files", self.tools)
         self.columns = list(dict.fromkeys(c for row in self.train + self.eval
                                           for c in row.columns))
         self.sampler = DataSampler(len(self.train), self.seed)
@@ -137,11 +148,15 @@ class UserTask:
         return list(self.eval)
 
     async def score(self, where: str, rows: list[Row], texts: list[str],
-                    completions: list[Completion]) -> Scored:
+                    completions: list[Completion],
+                    conversations: list[list[dict[str, Any]] | None] | None = None
+                    ) -> Scored:
         """The weighted sum of the reward functions, TRL's arguments: chat prompts get
-        their completions as messages too."""
-        shown = [[{"role": "assistant", "content": text}] if row.chat else text
-                 for row, text in zip(rows, texts, strict=True)]
+        their completions as messages too (a multi-turn episode's: all its messages after
+        the prompt, `conversations`)."""
+        said = conversations or [None] * len(rows)
+        shown = [(messages or [{"role": "assistant", "content": text}]) if row.chat else text
+                 for row, text, messages in zip(rows, texts, said, strict=True)]
         scores = await self.rewards.score(
             where, [row.prompt for row in rows], shown, [c.tokens for c in completions],
             {c: [row.columns.get(c) for row in rows] for c in self.columns})
@@ -166,6 +181,12 @@ def check_fits(source: Source, model_dir: Path) -> None:
             f"grpo.max_completion_length={source.max_new_tokens} need {need} "
             f"positions; the model has {limit}: raise model.max_positions (the tiny "
             "model), or lower data.max_prompt_length or grpo.max_completion_length")
+
+
+def max_positions(model_dir: Path) -> int:
+    """The model's longest sequence, prompt and completion (its config's)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 1 << 30)
 
 
 def make_source(cfg: Any) -> Source:

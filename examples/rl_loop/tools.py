@@ -103,7 +103,7 @@ class ToolClient:
         GPUs (`colocate.engines.tools.ToolSpecError` names a bad spec). A worker that does
         not answer within `cfg.timeout_s + grace_s` (a tool that blocks its event loop)
         counts as hung: its proc is killed and respawned, and the call tried once more."""
-        schemas = [tool.schema for tool in load_tools(cfg.funcs).values()]
+        schemas = tool_schemas(cfg)
         config = ServiceConfig(
             num_replicas=cfg.workers, with_gpus=False, resource_group=resource_group,
             router="least_loaded", max_retries=1, wait_timeout_s=cfg.timeout_s + grace_s,
@@ -144,6 +144,17 @@ class ToolClient:
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
         await self.service.shutdown(grace_s)
+
+
+def tool_names(cfg: ToolsConfig) -> list[str]:
+    """The tools' names (none without `tools.funcs`)."""
+    return [s["function"]["name"] for s in tool_schemas(cfg)] if cfg.used else []
+
+
+def tool_schemas(cfg: ToolsConfig) -> list[dict[str, Any]]:
+    """The JSON schemas of `tools.funcs`, loaded here (a bad spec is refused in one line
+    before any proc starts)."""
+    return [tool.schema for tool in load_tools(cfg.funcs).values()]
 
 
 def _first_line(err: BaseException) -> str:

@@ -1,0 +1,262 @@
+"""Multi-turn, tool-using rollouts: each GRPO sample is an episode, not one completion.
+
+An episode starts from its row's prompt; the model writes until it calls a tool (its turn
+ends at the call's closing token) or ends its answer (its stop token). The calls are parsed
+(`tool_calls`: the chat template's form for a model with one, the plain form for the tiny
+character model), run in the tools' own service (`tools.ToolClient`: an error is an
+observation, never a crash), and their results appended as observation tokens, rendered the
+way the model reads them (`Transcript`); then the model goes on, up to `rollout.max_turns`
+turns and `rollout.max_trajectory_tokens` tokens after the prompt (an overflow ends the
+episode, counted). The loss covers only the tokens the model wrote: every observation and
+template token is masked (`Rollout.trained`).
+
+All the episodes of a step run together, turn by turn: one batched generate call for every
+episode still going, then all their tool calls at once (as many at a time as there are tool
+workers), so a turn costs one decoding pass and the slowest of its tool calls, not one of
+each per episode. A turn's batch is the same for the same seed, whatever the tools' timing:
+the same seed gives the same run. The reward functions get the whole conversation: the
+messages after the prompt (chat rows), or the transcript's text (text rows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from colocate.engines.sampling import Completion, SamplingParams
+from examples.rl_loop.data import Row
+from examples.rl_loop.grpo import GRPOConfig
+from examples.rl_loop.rollouts import Generate, Rollout, RolloutConfig, Rollouts
+from examples.rl_loop.tool_calls import (
+    ParsedTurn,
+    observations,
+    parse_hermes,
+    parse_plain,
+    parse_template,
+    render_plain,
+)
+
+TURN_SEED = 15_485_863  # turn t of a step samples with the step's seed + t times this
+
+
+@dataclass
+class Episode:
+    """One sample's conversation after its prompt: the tokens, whether the model wrote
+    each (and its log-probability there), the messages, and what happened."""
+
+    row: Row
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    trained: list[bool] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # for the reward functions
+    said: list[dict[str, Any]] = field(default_factory=list)  # as the template renders them
+    turns: int = 0
+    calls: int = 0
+    bad_calls: int = 0
+    tool_errors: int = 0
+    tool_seconds: float = 0.0
+    ended: str = ""  # answer (its stop token), length, max_turns, overflow
+
+    def add(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
+        """Tokens the model wrote (with their log-probabilities) or an observation's."""
+        self.tokens += tokens
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
+        self.trained += [logprobs is not None] * len(tokens)
+
+    def completion(self) -> Completion:
+        return Completion(list(self.tokens), list(self.logprobs),
+                          stopped=self.ended == "answer", finished=True)
+
+
+class Transcript:
+    """How a turn's text becomes tool calls and their results become the tokens the model
+    reads next: the plain form, for a tokenizer without a chat template (the tiny model)."""
+
+    def __init__(self, tokenizer: Any, schemas: list[dict[str, Any]]) -> None:
+        self.tokenizer, self.schemas = tokenizer, schemas
+        self.stop_ids = (self._token(")"),)  # a plain call ends with its bracket
+
+    def _token(self, text: str) -> int:
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) != 1:
+            raise ValueError(f"the model's tokenizer writes {text!r} as {len(ids)} tokens: "
+                             "a tool call's end must be one token to stop a turn at it")
+        return ids[0]
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def parse(self, episode: Episode, text: str) -> ParsedTurn:
+        return parse_plain(text, self.schemas)
+
+    def observation(self, episode: Episode, turn: ParsedTurn, text: str,
+                    results: list[Any]) -> list[int]:
+        """The observation's tokens: each result's text between brackets (`[!]`: failed)."""
+        shown = "".join(render_plain(r.content, r.error) for r in results)
+        shown += "".join(render_plain("", "bad") for _ in turn.bad)
+        return self.tokenizer(shown, add_special_tokens=False).input_ids
+
+
+class ChatTranscript(Transcript):
+    """The chat template's form: calls in Hermes' `<tool_call>` markup (or the tokenizer's
+    own response parser), results as `tool` messages rendered by the template. The
+    observation is what the template writes after the model's own tokens: the end of the
+    assistant turn, the tool messages and the next turn's opening."""
+
+    def __init__(self, tokenizer: Any, schemas: list[dict[str, Any]], form: str) -> None:
+        self.tokenizer, self.schemas, self.form = tokenizer, schemas, form
+        self.stop_ids = (self._token("</tool_call>"),)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    def parse(self, episode: Episode, text: str) -> ParsedTurn:
+        text = text.removesuffix(self.tokenizer.eos_token or "")
+        if self.form == "template":
+            return parse_template(self.tokenizer, text, episode.row.text, self.schemas)
+        return parse_hermes(text)
+
+    def observation(self, episode: Episode, turn: ParsedTurn, text: str,
+                    results: list[Any]) -> list[int]:
+        said = [*episode.said, *observations(turn, [r.content for r in results])]
+        rendered = self.tokenizer.apply_chat_template(
+            [*episode.row.prompt, *said], tools=self.schemas, tokenize=False,
+            add_generation_prompt=True)
+        written = episode.row.text + self.decode(episode.tokens)
+        if not rendered.startswith(written):
+            raise ValueError("the chat template does not render the conversation as the "
+                             f"model wrote it: {written[-80:]!r} is not a prefix of "
+                             f"{rendered[len(episode.row.text):][:160]!r}; use a template "
+                             "that renders an assistant message's content as it is")
+        episode.said = said
+        return self.tokenizer(rendered[len(written):], add_special_tokens=False).input_ids
+
+
+def make_transcript(tokenizer: Any, schemas: list[dict[str, Any]], form: str) -> Transcript:
+    """`rollout.tool_format`'s transcript: auto is the chat template's form where the
+    tokenizer has a chat template, else the plain one."""
+    if form == "plain" or form == "auto" and not getattr(tokenizer, "chat_template", None):
+        return Transcript(tokenizer, schemas)
+    return ChatTranscript(tokenizer, schemas, "hermes" if form == "auto" else form)
+
+
+class AgentRollouts(Rollouts):
+    """Episodes with tools (see module), `rollout.mode=sync`: each step's groups of
+    episodes run to their ends."""
+
+    def __init__(self, source: Any, generate: Generate,
+                 sampling: Callable[[int], SamplingParams], grpo: GRPOConfig, max_batch: int,
+                 rollout: RolloutConfig, transcript: Transcript, tools: Callable[[], Any],
+                 max_positions: int) -> None:
+        super().__init__(source, generate, sampling, grpo, max_batch)
+        self.cfg, self.transcript, self.tools = rollout, transcript, tools
+        self.max_positions = max_positions
+
+    async def generate(self, index: int) -> Rollout:
+        rows = self.source.sample(self.grpo.prompts_per_step)
+        return await self.episodes(rows, self.sampling(index), self.grpo.group_size)
+
+    async def episodes(self, rows: list[Row], params: SamplingParams, copies: int
+                       ) -> Rollout:
+        """`copies` episodes per row, run together turn by turn to their ends."""
+        episodes = [Episode(row, said=[]) for row in rows for _ in range(copies)]
+        stats = self.tools().take_stats()  # this call's counts from here
+        for turn in range(self.cfg.max_turns):
+            going = [e for e in episodes if not e.ended]
+            if not going:
+                break
+            await self._turn(going, params, turn)
+        for episode in episodes:
+            episode.ended = episode.ended or "max_turns"
+        stats = self.tools().take_stats()
+        return Rollout(rows, [e.row.tokens for e in episodes],
+                       [e.completion() for e in episodes], {
+                           **episode_metrics(episodes), **stats.metrics()},
+                       trained=[e.trained for e in episodes],
+                       conversations=[e.messages if e.row.chat else None for e in episodes],
+                       extra_rewards=[self.cfg.bad_call_reward if e.bad_calls else 0.0
+                                      for e in episodes])
+
+    def _room(self, episode: Episode) -> int:
+        """New tokens the episode may still have (its length limit, the model's positions)."""
+        limit = self.cfg.max_trajectory_tokens or self.max_positions
+        return min(limit - len(episode.tokens),
+                   self.max_positions - len(episode.row.tokens) - len(episode.tokens))
+
+    async def _turn(self, going: list[Episode], params: SamplingParams, turn: int) -> None:
+        """One turn of every episode still going: a generate call, then their tool calls."""
+        rooms = [self._room(e) for e in going]
+        for episode, room in zip(going, rooms, strict=True):
+            if room <= 0:
+                episode.ended = "overflow"
+        asked = [(e, r) for e, r in zip(going, rooms, strict=True) if r > 0]
+        if not asked:
+            return
+        budget = min(params.max_new_tokens, max(r for _, r in asked))
+        seed = None if params.seed is None else params.seed + TURN_SEED * turn
+        call = replace(params, max_new_tokens=budget, seed=seed,
+                       stop_token_ids=(*params.stop_token_ids, *self.transcript.stop_ids))
+        completions = await self.generate_ids([e.row.tokens + e.tokens for e, _ in asked],
+                                              call)
+        calling = []
+        for (episode, room), new in zip(asked, completions, strict=True):
+            kept = min(room, len(new.tokens))
+            episode.add(new.tokens[:kept], new.logprobs[:kept])
+            episode.turns += 1
+            text = self.transcript.decode(new.tokens[:kept])
+            parsed = self.transcript.parse(episode, text)
+            episode.messages.append(parsed.as_message())
+            episode.said.append({"role": "assistant", "content": text})
+            last = new.tokens[kept - 1] if kept else None
+            if parsed.has_calls and last not in params.stop_token_ids:
+                calling.append((episode, parsed, text))
+            elif last in call.stop_token_ids:  # its stop token, or a turn with no call
+                episode.ended = "answer"
+            else:
+                episode.ended = "overflow" if kept == room else "length"
+        if turn + 1 < self.cfg.max_turns:  # the last turn's calls would go unread
+            await asyncio.gather(*(self._call_tools(*c) for c in calling))
+
+    async def _call_tools(self, episode: Episode, parsed: ParsedTurn, text: str) -> None:
+        """The turn's calls, at once; their results appended as the observation."""
+        client = self.tools()
+        results = await asyncio.gather(*(client.call(c.name, c.arguments)
+                                         for c in parsed.calls))
+        episode.calls += len(parsed.calls)
+        episode.bad_calls += len(parsed.bad)
+        episode.tool_errors += sum(r.error is not None for r in results)
+        episode.tool_seconds += sum(r.seconds for r in results)
+        episode.messages += observations(parsed, [r.content for r in results])
+        episode.add(self.transcript.observation(episode, parsed, text, list(results)))
+
+    def finish_batch(self, rollout: Rollout, batch: dict[str, torch.Tensor]) -> float | None:
+        """Only the model's own tokens are trained on: the observations' are masked."""
+        for row, (prompt, trained) in enumerate(zip(rollout.tokens, rollout.trained or [],
+                                                    strict=True)):
+            start = len(prompt) - 1
+            written = torch.tensor(trained, dtype=batch["mask"].dtype)
+            batch["mask"][row, start:start + len(trained)] *= written
+        return None
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, Any]:
+    """A step's episodes in figures: turns, calls, errors, tool time, how they ended."""
+    n = len(episodes)
+    ended: dict[str, int] = {}
+    for episode in episodes:
+        ended[episode.ended] = ended.get(episode.ended, 0) + 1
+    calls = sum(e.calls for e in episodes)
+    return {"finished_samples": n,
+            "episode_turns_mean": sum(e.turns for e in episodes) / n,
+            "episode_tool_calls_mean": calls / n,
+            "episode_bad_calls": sum(e.bad_calls for e in episodes),
+            "episode_tool_errors": sum(e.tool_errors for e in episodes),
+            "episode_tool_seconds_mean": sum(e.tool_seconds for e in episodes) / max(1, calls),
+            "episode_overflows": ended.get("overflow", 0),
+            "episode_ended": dict(sorted(ended.items())),
+            "episode_tokens_mean": sum(len(e.tokens) for e in episodes) / n,
+            "episode_trained_tokens_mean": sum(sum(e.trained) for e in episodes) / n}
