@@ -91,6 +91,7 @@ class Loop:
         self.bar: tqdm | None = None
         self.peaks = ProcPeaks()
         self.postfix: dict[str, str] = {}  # the progress bar's reward, eval and phase
+        self.eval_metrics: dict[str, Any] = {}  # the last evaluation's, per reward function
         self.greedy = SamplingParams(max_new_tokens=self.source.max_new_tokens, temperature=0,
                                      stop_token_ids=(self.tokenizer.eos_token_id,))
 
@@ -166,6 +167,7 @@ class Loop:
         functions gave none left out)."""
         rollout = await self.rollouts.episodes(self.source.eval_rows(), self.greedy, 1)
         scored = await self._score(where, rollout, 1)
+        self.eval_metrics = {k: v for k, v in scored.metrics.items() if k.startswith("rewards/")}
         rewards = [v for v in scored.values if v is not None]
         if not rewards:
             logger.warning("%s: no eval prompt got a reward: eval reward 0", where)
@@ -224,6 +226,7 @@ class Loop:
         row["samples_per_s"] = row["finished_samples"] / row["step_s"]
         if (index + 1) % cfg.run.eval_every == 0 or index + 1 == cfg.run.steps:
             row["eval_reward"] = await self.evaluate(f"the evaluation after step {index}")
+            row.update({f"eval/{k}": v for k, v in self.eval_metrics.items()})
         return row
 
     def sampling(self, index: int) -> SamplingParams:
@@ -323,7 +326,8 @@ class Loop:
         if first_step == 0:
             async with phase(self.runtime.generator):
                 untrained = await self.evaluate("the untrained evaluation")
-            self.record.step({"step": -1, "reward": None, "eval_reward": untrained})
+            self.record.step({"step": -1, "reward": None, "eval_reward": untrained,
+                              **{f"eval/{k}": v for k, v in self.eval_metrics.items()}})
         evals = [s["eval_reward"] for s in self.record.steps if "eval_reward" in s]
         self.postfix["eval"] = f"{evals[-1]:.2f}"
         self.bar = tqdm(desc="GRPO", initial=first_step, total=self.cfg.run.steps)

@@ -1,0 +1,160 @@
+"""Multi-turn, tool-using rollouts: the tool task learned with one command, and what running
+the episodes together buys when tools are slow.
+
+1. The tool task (`examples/rl_loop/tasks/multiply*.py`: products of two 3-digit numbers, a
+   calculator tool) trained by the RL loop as the README's command runs it: the held-out
+   eval before and after (`untrained_eval_reward`, `final_eval_reward`: the reward functions'
+   weighted sum; `*_correct`: the final answer's own credit).
+2. With the trained model, `--episodes` held-out episodes with every tool call 50 ms slower
+   (the calculator behind a 50 ms wait, as a remote tool), run all at once (one batched
+   generate call a turn for every episode still going, their tool calls together) against
+   one at a time: samples per second (`samples_per_s_ratio`: at once / one at a time) and
+   the generator's busy share (the time inside generate calls / the wall time) for each.
+
+    .venv/bin/python -m bench.agentic [--steps 300] [--episodes 32] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import announce
+from examples.rl_loop.tasks import multiply
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ROOT / "examples" / "rl_loop" / "tasks"
+SLOW_MS = 50
+
+SLOW_TOOL = f'''
+import asyncio
+
+from examples.rl_loop.tasks.multiply_tools import calculator as exact
+
+
+async def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression, after a wait of a remote tool's latency.
+
+    Args:
+        expression: the expression, e.g. 123*456
+    """
+    await asyncio.sleep({SLOW_MS / 1000})
+    return exact(expression)
+'''
+
+
+def task_overrides(data: Path, tools: str) -> list[str]:
+    """The tool task as the README runs it."""
+    return [f"data.train_files={data / 'train.jsonl'}", f"data.eval_files={data / 'eval.jsonl'}",
+            f"reward.funcs=[{TASKS / 'multiply_reward.py'}:correct,"
+            f"{TASKS / 'multiply_reward.py'}:called]", "reward.weights=[1.0,0.5]",
+            f"tools.funcs=[{tools}]", "grpo.max_completion_length=12",
+            "model.max_positions=48", "run.save_every=0", "run.resume=none"]
+
+
+def train(work: Path, steps: int) -> tuple[dict[str, Any], Path]:
+    """The tool task trained for `steps` steps: its metrics.json and its trained model."""
+    out = work / "train"
+    command = [sys.executable, "-m", "examples.rl_loop",
+               *task_overrides(work / "data", f"{TASKS / 'multiply_tools.py'}:calculator"),
+               f"run.steps={steps}", f"run.eval_every={max(1, steps // 6)}", f"run.out={out}"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
+    return json.loads((out / "metrics.json").read_text()), out / "model"
+
+
+async def throughput(work: Path, model: Path, episodes: int) -> dict[str, Any]:
+    """`episodes` episodes of the trained model with 50 ms tools: all at once, then one at
+    a time (see module)."""
+    from colocate import phase
+    from examples.rl_loop.config import load_config
+    from examples.rl_loop.loop import Loop
+
+    slow = work / "slow_tools.py"
+    slow.write_text(SLOW_TOOL)
+    cfg = load_config(overrides=[*task_overrides(work / "data", f"{slow}:calculator"),
+                                 f"model.path={model}", "tools.workers=8",
+                                 f"run.out={work / 'throughput'}"])
+    loop = Loop(cfg)
+    rollouts, busy = loop.rollouts, [0.0]
+    generate = rollouts.generate_ids
+
+    async def timed(prompts: list[list[int]], params: Any) -> list:
+        began = time.monotonic()
+        try:
+            return await generate(prompts, params)
+        finally:
+            busy[0] += time.monotonic() - began
+
+    rollouts.generate_ids = timed  # this bench's own rollouts, timed
+    rows = loop.source.eval_rows()[:episodes]
+    found: dict[str, Any] = {}
+    await loop.start()
+    try:
+        async with phase(loop.generator):
+            await rollouts.episodes(rows[:2], loop.greedy, 1)  # warm
+            for arm in ("at_once", "one_at_a_time"):
+                busy[0], began = 0.0, time.monotonic()
+                if arm == "at_once":
+                    got = [await rollouts.episodes(rows, loop.greedy, 1)]
+                else:
+                    got = [await rollouts.episodes([r], loop.greedy, 1) for r in rows]
+                wall = time.monotonic() - began
+                calls = sum(g.metrics["tools/calls"] for g in got)
+                found[arm] = {"samples_per_s": len(rows) / wall, "wall_s": wall,
+                              "generator_busy_share": busy[0] / wall, "tool_calls": calls}
+                print(f"{arm}: {len(rows)} episodes in {wall:.2f} s, {calls} tool calls, "
+                      f"generator busy {busy[0] / wall:.2f} of the time", flush=True)
+    finally:
+        await loop.stop()
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300, help="the tool task's GRPO steps")
+    parser.add_argument("--episodes", type=int, default=32)
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    machine, command = announce()
+    with tempfile.TemporaryDirectory(prefix="agentic_") as tmp:
+        work = Path(tmp)
+        multiply.write(work / "data")
+        began = time.monotonic()
+        metrics, model = train(work, args.steps)
+        evals = [s for s in metrics["steps"] if "eval_reward" in s]
+        print(f"tool task: eval {evals[0]['eval_reward']:.3f} -> {evals[-1]['eval_reward']:.3f}"
+              f" in {args.steps} steps ({time.monotonic() - began:.0f} s)", flush=True)
+        arms = asyncio.run(throughput(work, model, args.episodes))
+    correct = "eval/rewards/correct/mean"
+    result = {
+        "machine": machine, "command": command, "steps": args.steps,
+        "untrained_eval_reward": evals[0]["eval_reward"],
+        "final_eval_reward": evals[-1]["eval_reward"],
+        "untrained_eval_correct": evals[0].get(correct),
+        "final_eval_correct": evals[-1].get(correct),
+        "eval_curve": [(s["step"], s["eval_reward"]) for s in evals],
+        "tool_ms": SLOW_MS, "episodes": args.episodes, **{
+            f"{arm}_{k}": v for arm, found in arms.items() for k, v in found.items()},
+        "samples_per_s_ratio": arms["at_once"]["samples_per_s"]
+        / arms["one_at_a_time"]["samples_per_s"],
+        "generator_busy_share": {arm: found["generator_busy_share"]
+                                 for arm, found in arms.items()},
+    }
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
