@@ -75,12 +75,13 @@ def working_bytes(config: dict, max_batch: int, max_len: int, element: int = 4) 
         * element
 
 
-def kv_cache_bytes(config: dict, max_batch: int, max_len: int) -> int:
+def kv_cache_bytes(config: dict, max_batch: int, max_len: int,
+                   block: int = KV_BLOCK_TOKENS) -> int:
     """The vLLM generator's KV cache: `max_batch` sequences of `max_len` tokens in float32,
-    in whole blocks (plus vLLM's reserved block), instead of vLLM's default share of all
-    memory."""
-    blocks = max_batch * math.ceil(max_len / KV_BLOCK_TOKENS) + 1
-    return blocks * KV_BLOCK_TOKENS * kv_numbers_per_token(config) * 4
+    in whole blocks of `block` tokens (plus vLLM's reserved block), instead of vLLM's
+    default share of all memory."""
+    blocks = max_batch * math.ceil(max_len / block) + 1
+    return blocks * block * kv_numbers_per_token(config) * 4
 
 
 class WeightsDiscardedError(RuntimeError):
