@@ -126,28 +126,32 @@ class TorchGenerator:
                  session_cache_bytes: int = 0, max_sessions: int = 64) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
+        from transformers import DynamicCache
+
+        # checked before anything is tagged: a refused generator leaves nothing behind
+        config = model.config.to_dict()
+        element = next(model.parameters()).element_size()
+        self.session_kv = SessionKV(session_cache_bytes, max_sessions,
+                                    kv_numbers_per_token(config) * element)
+        if session_cache_bytes and not plain_layers(DynamicCache(config=model.config)):
+            raise ValueError("session_cache_bytes: this model's cache has sliding-window "
+                             "layers, whose keys and values cannot be kept per session; "
+                             "leave session_cache_bytes=0")
+        self.ledger = SessionLedger()
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         stages = {**STAGES, "weights": keep_weights}
-        self.tenancy = _SleepHook({s: f"{prefix}/{s}" for s in stages}, backup=stages)
+        self.tenancy = _SleepHook({s: f"{prefix}/{s}" for s in stages}, backup=stages,
+                                  on_sleep=self.session_kv.clear)
         self.model = model.to(device).eval().requires_grad_(False)
         # the tensors a weight sync refills; derived buffers (rotary frequencies) stay
         # untagged: they are small, and no sync would bring them back if discarded
         self.tenancy.adopt(list(self.model.state_dict().values()), "weights")
         self.max_len = self.model.config.max_position_embeddings
         self.max_batch, self.device = max_batch, device
-        element = next(self.model.parameters()).element_size()
-        config = self.model.config.to_dict()
+        # the session cache is working memory too: calls hold it beyond the batch's
         self.tenancy.working_bytes = working_bytes(config, max_batch, self.max_len, element) \
             + session_cache_bytes
         self.version = 0  # of the weights: + 1 at each load (Completion.versions)
-        self.session_kv = SessionKV(session_cache_bytes, max_sessions,
-                                    kv_numbers_per_token(config) * element)
-        self.ledger = SessionLedger()
-        self.tenancy.on_sleep = self.session_kv.clear
-        if session_cache_bytes and not plain_layers(self._new_cache()):
-            raise ValueError("session_cache_bytes: this model's cache has sliding-window "
-                             "layers, whose keys and values cannot be kept per session; "
-                             "leave session_cache_bytes=0")
 
     # -- weights -----------------------------------------------------------------------------
 
