@@ -201,7 +201,7 @@ async def test_a_replicas_sessions_reuse_until_a_switch_and_recompute_after(colo
     names = ["traj-0", "traj-1"]
     async with phase(gen):
         async with gen.session(id="rollout"):
-            first = await gen.generate.route(prompts, GREEDY, None, names)
+            first = await gen.generate.route(prompts, GREEDY, sessions=names)
             prompts = next_turn(prompts, first, 0)
             second = await gen.generate.route(prompts, GREEDY, None, names)
         assert all(c.prefix.reused > 0 and c.prefix.recomputed == 0 for c in second)

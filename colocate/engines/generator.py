@@ -97,7 +97,7 @@ class _SleepHook(TaggedTenant):
 
     def sleep(self, stages: Sequence[str] | None = None) -> int:
         self._check_stages(stages or ())
-        if self.on_sleep is not None:
+        if self.on_sleep is not None and (stages is None or stages):
             self.on_sleep()
         return super().sleep(stages)
 
