@@ -21,8 +21,9 @@ pytest.importorskip("vllm")
 import monarch.job  # noqa: E402, F401
 
 from colocate import memory, telemetry  # noqa: E402
+from colocate.engines.generator import TorchGenerator  # noqa: E402
 from colocate.engines.models import load_model, load_tokenizer  # noqa: E402
-from colocate.engines.sampling import Completion, SamplingParams  # noqa: E402
+from colocate.engines.sampling import Completion, PrefixCounts, SamplingParams  # noqa: E402
 from colocate.engines.tiny import write_tiny_model  # noqa: E402
 from colocate.engines.vllm_generator import VLLMGenerator  # noqa: E402
 from colocate.engines.weights import digest  # noqa: E402
@@ -240,6 +241,71 @@ def test_greedy_equals_transformers_generate(isolated, tmp_path, arch) -> None:
                             tie_embeddings=arch == "qwen2", max_positions=48, init_std=0.1)
     ours, theirs = isolated(greedy_against_transformers, str(path))
     assert ours == theirs
+
+
+BLOCK = 32  # vLLM's KV block here: its prefix cache reuses whole blocks
+
+
+def sessions_on_both_engines(path: str) -> dict[str, list]:
+    """Three turns of two trajectories on vLLM and on the torch generator (session cache
+    on), both slept between the second and third; then one turn of an ended session. Per
+    engine and turn: each row's tokens and prefix counts, and the engine's totals."""
+    engine = VLLMGenerator(path, max_batch=4, block_size=BLOCK)
+    local = TorchGenerator(load_model(path), max_batch=4, prefix="torch",
+                           session_cache_bytes=1 << 22)
+    params, names = SamplingParams(max_new_tokens=8, temperature=0), ["a", "b"]
+    prompts = [[1] + [3 + (7 * i + 5 * j) % 13 for j in range(40)] for i in range(2)]
+    found: dict[str, list] = {"vllm": [], "torch": []}
+    try:
+        for turn in range(4):
+            if turn == 2:
+                engine.tenancy.sleep()
+                engine.tenancy.wake(["weights", "kv_cache"])
+                local.tenancy.sleep()
+                local.tenancy.wake(["weights"])
+            if turn == 3:
+                engine.end_session("a")
+                local.end_session("a")
+            outs = {"vllm": engine.generate(prompts, params, sessions=names),
+                    "torch": local.generate(prompts, params, sessions=names)}
+            for kind, out in outs.items():
+                found[kind].append([(c.tokens, c.prefix) for c in out])
+            prompts = [p + c.tokens + [4, 5 + turn] for p, c in zip(prompts, outs["torch"],
+                                                                      strict=True)]
+        found["totals"] = [engine.prefix_counts(), local.prefix_counts()]
+    finally:
+        engine.close()
+    return found
+
+
+def test_prefix_counts_come_from_vllms_cache_and_match_the_torch_generators(isolated,
+                                                                            tmp_path) -> None:
+    path = write_tiny_model(tmp_path / "model", "llama", alphabet="0123456789+=>",
+                            hidden_size=64, layers=2, heads=2, kv_heads=2,
+                            intermediate_size=128, max_positions=128, init_std=0.1)
+    found = isolated(sessions_on_both_engines, str(path))
+    for turn, (ours, theirs) in enumerate(zip(found["vllm"], found["torch"], strict=True)):
+        assert [t for t, _ in ours] == [t for t, _ in theirs]  # greedy: the same tokens
+        for row, ((_, vllm_counts), (_, torch_counts)) in enumerate(zip(ours, theirs,
+                                                                        strict=True)):
+            known = torch_counts.reused + torch_counts.recomputed  # what the session had
+            assert vllm_counts.prompt_tokens == torch_counts.prompt_tokens
+            if turn == 3 and row == 0:  # ended: a new session, whose prompt vLLM's cache
+                assert known == vllm_counts.recomputed == 0  # has (blocks outlive it)
+                assert vllm_counts.reused > 0 and vllm_counts.reused % BLOCK == 0
+                continue
+            assert vllm_counts.reused + vllm_counts.recomputed == known
+            if turn == 0:
+                assert known == 0
+            if turn in (1, 3):  # kept: the torch generator reuses it all, vLLM whole blocks
+                assert torch_counts == PrefixCounts(torch_counts.prompt_tokens, known, 0)
+                assert known > BLOCK and vllm_counts.reused == known // BLOCK * BLOCK
+            if turn == 2:  # a sleep dropped both caches: all of it computed again
+                assert known > 0 and vllm_counts.reused == torch_counts.reused == 0
+    vllm_totals, torch_totals = found["totals"]
+    assert vllm_totals == PrefixCounts.total(c for _, c in sum(found["vllm"], []))
+    assert torch_totals == PrefixCounts.total(c for _, c in sum(found["torch"], []))
+    assert 0 < torch_totals.recompute_share < 1 and 0 < vllm_totals.recompute_share < 1
 
 
 def test_bad_parallel_shapes_are_refused_before_vllm_starts(model_path) -> None:

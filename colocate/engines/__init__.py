@@ -7,6 +7,10 @@
 - `sampling`: `SamplingParams` and `Completion`, the same for every generator engine.
 - `trainer`: `PolicyTrainer`, a policy with AdamW (DDP or FSDP2) under memory tags.
 - `generator`: `TorchGenerator`, the built-in generator for any transformers causal LM.
+- `sessions`: a trajectory's turns as rows of `generate` (`sessions=`), and the prefix
+  counts (reused, recomputed) both generators report the same way.
+- `kv_sessions`: the torch generator's per-session KV prefix cache, and batches that start
+  from it.
 - `vllm_generator`, `vllm_worker`: `VLLMGenerator`, vLLM with sleep through the arena on
   CPU (a worker extension) and vLLM's own sleep mode on CUDA.
 - `weights`: weight streams by name (bucketed), in-process publishing, shared-memory

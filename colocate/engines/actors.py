@@ -30,7 +30,7 @@ from colocate.engines.export import write_hf_model
 from colocate.engines.generating import Generator
 from colocate.engines.models import load_model
 from colocate.engines.reference import ForwardFn, ReferencePolicy
-from colocate.engines.sampling import Completion, SamplingParams
+from colocate.engines.sampling import Completion, PrefixCounts, SamplingParams
 from colocate.engines.weights import (
     RemoteWeights,
     WeightManifest,
@@ -178,18 +178,40 @@ class GeneratorActor(TenantActor):
     @needs("weights", "kv_cache")
     @preemptible
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 partial: list[Completion | None] | None = None) -> list[Completion]:
+                 partial: list[Completion | None] | None = None,
+                 sessions: list[str | None] | None = None) -> list[Completion]:
         """One completion per prompt. A switch with preemption (`phase(trainer,
         preempt=True)`) makes the torch engine return at its next decoding step, with
         each completion not ended by then `finished=False`; pass those back as `partial`
         (one per prompt, None for none) to continue them on the weights loaded since (see
         `TorchGenerator.generate`). The vLLM engine does the same (a one-rank engine: it
         aborts its requests and returns their outputs so far; a replica of several ranks
-        drains)."""
+        drains).
+
+        `sessions` names per prompt the trajectory it continues (None: none; route the
+        call inside the trajectory's `svc.session(id=...)`, so its turns reach this
+        replica): the engine reuses what it kept of the trajectory's keys and values, and
+        each completion's `prefix` counts the tokens reused and recomputed."""
         if self.compute is None:
-            return self.engine.generate(prompts, params, partial, self.preemption.asked)
+            return self.engine.generate(prompts, params, partial, self.preemption.asked,
+                                        sessions)
         return self.compute.run(self.engine.generate, prompts, params, partial,
-                                self.preemption.asked)
+                                self.preemption.asked, sessions)
+
+    @endpoint
+    @needs("weights")
+    def end_session(self, session: str) -> None:
+        """Forget trajectory `session` on this replica: its cached keys and values go (the
+        torch engine's; vLLM's prefix cache lets blocks go by itself)."""
+        self.engine.end_session(session)
+
+    @endpoint
+    @needs("weights")
+    def prefix_counts(self, reset: bool = False) -> PrefixCounts:
+        """The prefix counts of every row this replica generated since it started (or
+        the last `reset=True`): `recompute_share` is the share of the tokens a session
+        had computed before that were computed again."""
+        return self.engine.prefix_counts(reset)
 
     def preempt(self) -> bool:
         """The preempt hook (see `TenantActor.preempt`): the torch engine polls the flag

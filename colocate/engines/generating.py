@@ -1,6 +1,8 @@
 """What a generator engine is (`Generator`: the torch one and vLLM's), and the check both
 make before generating (`check_prompts`). `GeneratorActor` holds one; the weight syncs and
-the arbiter reach it through these calls and its `tenancy` only."""
+the arbiter reach it through these calls and its `tenancy` only. Sessions (a trajectory's
+turns, `sessions=` per row) and their prefix counts are the same on both engines
+(`colocate.engines.sessions`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Protocol
 import torch
 
 from colocate.arbiter.tenant import Tenancy
-from colocate.engines.sampling import Completion, SamplingParams
+from colocate.engines.sampling import Completion, PrefixCounts, SamplingParams
 from colocate.engines.weights import WeightStream
 
 
@@ -28,7 +30,16 @@ class Generator(Protocol):
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  partial: Sequence[Completion | None] | None = None,
-                 stop: Callable[[], bool] | None = None) -> list[Completion]: ...
+                 stop: Callable[[], bool] | None = None,
+                 sessions: Sequence[str | None] | None = None) -> list[Completion]: ...
+
+    def end_session(self, session: str) -> None:
+        """Forget `session` (what is cached for it goes)."""
+        ...
+
+    def prefix_counts(self, reset: bool = False) -> PrefixCounts:
+        """Every generated row's prefix counts summed (`reset`: then from zero again)."""
+        ...
 
     def load_weights(self, weights: WeightStream | Iterable[tuple[str, torch.Tensor]]
                      ) -> int: ...

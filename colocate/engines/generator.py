@@ -15,18 +15,41 @@ A call can be preempted (`stop`, polled before each decoding step): it returns w
 row has so far, typed as unfinished (`Completion.finished`), and a later call continues
 those (`partial`), prefilling prompt and prefix on the weights of then, as vLLM's
 recompute preemption does; each token records the weights `version` that sampled it.
+
+Rows may name a session (`sessions`, one trajectory's turns): with `session_cache_bytes`
+the generator keeps each session's keys and values between calls (`kv_sessions`), so a
+turn whose prompt starts with what the session computed before prefills only the rest.
+That cache is working memory, declared with the batch's (`tenancy.working_bytes` grows by
+`session_cache_bytes`), and it goes at every sleep and every weight load; each row's
+`Completion.prefix` and the running `prefix_counts()` say what was reused and what was
+computed again (`sessions`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 from colocate.arbiter.tenant import TaggedTenant
 from colocate.engines.generating import check_prompts
-from colocate.engines.sampling import Completion, SamplingParams, continued, partial_list
+from colocate.engines.kv_sessions import (
+    CachedPrefix,
+    SessionKV,
+    plain_layers,
+    prefilled_cache,
+    row_kv,
+)
+from colocate.engines.sampling import (
+    Completion,
+    PrefixCounts,
+    SamplingParams,
+    continued,
+    partial_list,
+)
+from colocate.engines.sessions import SessionLedger, check_sessions, computed_tokens, reusable
 from colocate.engines.weight_copy import copy_weights
 from colocate.engines.weights import WeightStream, published
 
@@ -52,16 +75,43 @@ def working_bytes(config: dict, max_batch: int, max_len: int, element: int = 4) 
         * element
 
 
-def kv_cache_bytes(config: dict, max_batch: int, max_len: int) -> int:
+def kv_cache_bytes(config: dict, max_batch: int, max_len: int,
+                   block: int = KV_BLOCK_TOKENS) -> int:
     """The vLLM generator's KV cache: `max_batch` sequences of `max_len` tokens in float32,
-    in whole blocks (plus vLLM's reserved block), instead of vLLM's default share of all
-    memory."""
-    blocks = max_batch * math.ceil(max_len / KV_BLOCK_TOKENS) + 1
-    return blocks * KV_BLOCK_TOKENS * kv_numbers_per_token(config) * 4
+    in whole blocks of `block` tokens (plus vLLM's reserved block), instead of vLLM's
+    default share of all memory."""
+    blocks = max_batch * math.ceil(max_len / block) + 1
+    return blocks * block * kv_numbers_per_token(config) * 4
 
 
 class WeightsDiscardedError(RuntimeError):
     """The generator's weights were discarded at a sleep and none were loaded since."""
+
+
+@dataclass
+class _SleepHook(TaggedTenant):
+    """The generator's tenancy: its stages' tags, and before any sleep `on_sleep` (which
+    lets go of the session cache, so the sleep's release returns its memory too)."""
+
+    on_sleep: Callable[[], object] | None = None
+
+    def sleep(self, stages: Sequence[str] | None = None) -> int:
+        self._check_stages(stages or ())
+        if self.on_sleep is not None and (stages is None or stages):
+            self.on_sleep()
+        return super().sleep(stages)
+
+
+@dataclass
+class _Row:
+    """A row of a batch: the tokens to prefill (prompt, and a continued completion's tokens
+    so far), the most it may sample, and its first `reuse` tokens' keys and values from
+    the session cache."""
+
+    tokens: list[int]
+    budget: int
+    cached: CachedPrefix | None = None
+    reuse: int = 0
 
 
 class TorchGenerator:
@@ -72,21 +122,35 @@ class TorchGenerator:
     preemptible = True  # `generate` polls `stop` before each decoding step
 
     def __init__(self, model: torch.nn.Module, max_batch: int = 64, prefix: str = "generator",
-                 device: str | torch.device | None = None, keep_weights: bool = True) -> None:
+                 device: str | torch.device | None = None, keep_weights: bool = True,
+                 session_cache_bytes: int = 0, max_sessions: int = 64) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
+        from transformers import DynamicCache
+
+        # checked before anything is tagged: a refused generator leaves nothing behind
+        config = model.config.to_dict()
+        element = next(model.parameters()).element_size()
+        self.session_kv = SessionKV(session_cache_bytes, max_sessions,
+                                    kv_numbers_per_token(config) * element)
+        if session_cache_bytes and not plain_layers(DynamicCache(config=model.config)):
+            raise ValueError("session_cache_bytes: this model's cache has sliding-window "
+                             "layers, whose keys and values cannot be kept per session; "
+                             "leave session_cache_bytes=0")
+        self.ledger = SessionLedger()
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         stages = {**STAGES, "weights": keep_weights}
-        self.tenancy = TaggedTenant({s: f"{prefix}/{s}" for s in stages}, backup=stages)
+        self.tenancy = _SleepHook({s: f"{prefix}/{s}" for s in stages}, backup=stages,
+                                  on_sleep=self.session_kv.clear)
         self.model = model.to(device).eval().requires_grad_(False)
         # the tensors a weight sync refills; derived buffers (rotary frequencies) stay
         # untagged: they are small, and no sync would bring them back if discarded
         self.tenancy.adopt(list(self.model.state_dict().values()), "weights")
         self.max_len = self.model.config.max_position_embeddings
         self.max_batch, self.device = max_batch, device
-        element = next(self.model.parameters()).element_size()
-        self.tenancy.working_bytes = working_bytes(self.model.config.to_dict(), max_batch,
-                                                   self.max_len, element)
+        # the session cache is working memory too: calls hold it beyond the batch's
+        self.tenancy.working_bytes = working_bytes(config, max_batch, self.max_len, element) \
+            + session_cache_bytes
         self.version = 0  # of the weights: + 1 at each load (Completion.versions)
 
     # -- weights -----------------------------------------------------------------------------
@@ -97,6 +161,7 @@ class TorchGenerator:
         written."""
         self.tenancy.ensure_stage("weights")
         copied = copy_weights(self.model, weights)  # all of them, or nothing
+        self.session_kv.clear()  # computed with the weights of before
         self.tenancy.refilled("weights")
         self.version += 1
         return copied
@@ -128,7 +193,8 @@ class TorchGenerator:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  partial: Sequence[Completion | None] | None = None,
-                 stop: Callable[[], bool] | None = None) -> list[Completion]:
+                 stop: Callable[[], bool] | None = None,
+                 sessions: Sequence[str | None] | None = None) -> list[Completion]:
         """One completion per prompt (token ids), in order.
 
         `stop` is polled before each decoding step (and each batch): once it answers True
@@ -141,46 +207,107 @@ class TorchGenerator:
         unfinished one is continued (the prompt and its tokens so far prefilled on the
         weights loaded now, sampling on for the tokens `max_new_tokens` leaves), keeping
         its earlier tokens, log-probabilities and versions; a finished one comes back as
-        it is."""
+        it is.
+
+        `sessions[i]`, when given, names the trajectory row i continues (None: none): the
+        keys and values its last call computed are reused for as many of this row's
+        leading tokens as equal that call's, and this row's are kept for its next call,
+        as the session cache's bounds allow. Each completion's `prefix` counts it."""
         self.tenancy.ensure_awake()
         self._ensure_weights()
         check_prompts(prompts, params.max_new_tokens, self.max_len, "max_position_embeddings")
         before = partial_list(partial, len(prompts), params)
+        names = check_sessions(sessions, len(prompts))
         rng = torch.Generator(device=self.device)
         rng.manual_seed(params.seed if params.seed is not None else torch.seed())
         todo = [i for i, done in enumerate(before) if done is None or not done.finished]
-        out: list[Completion | None] = list(before)
+        out: list[Completion | None] = [done and replace(done, prefix=None) for done in before]
         for i in range(0, len(todo), self.max_batch):
-            rows = todo[i:i + self.max_batch]
-            prefixes = [before[r].tokens if before[r] else [] for r in rows]  # type: ignore[union-attr]
-            new = self._batch([list(prompts[r]) + p for r, p in zip(rows, prefixes, strict=True)],
-                              [params.max_new_tokens - len(p) for p in prefixes], params, rng,
-                              stop)
-            for row, completion in zip(rows, new, strict=True):
-                out[row] = continued(before[row], completion, self.version)
+            indices = todo[i:i + self.max_batch]
+            rows = []
+            for r in indices:
+                earlier = before[r].tokens if before[r] else []  # type: ignore[union-attr]
+                rows.append(self._row(list(prompts[r]) + earlier,
+                                      params.max_new_tokens - len(earlier), names[r]))
+            new, cache, columns = self._batch(rows, params, rng, stop)
+            for k, (index, row, completion) in enumerate(zip(indices, rows, new, strict=True)):
+                out[index] = continued(before[index], replace(
+                    completion, prefix=self._account(names[index], row, completion, cache,
+                                                     k, columns[k])), self.version)
+            del cache
         return out  # type: ignore[return-value]
 
-    def _batch(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int],
-               params: SamplingParams, rng: torch.Generator,
-               stop: Callable[[], bool] | None) -> list[Completion]:
-        """A completion of each prompt, of at most its budget's tokens (`versions` left
-        empty), unfinished where `stop` said so first."""
+    def _row(self, tokens: list[int], budget: int, session: str | None) -> _Row:
+        """A batch row for `tokens`, with its session's cached keys and values when they
+        match its start."""
+        cached = self.session_kv.get(session) if session is not None else None
+        reuse = reusable(tokens, cached.tokens) if cached is not None else 0
+        return _Row(tokens, budget, cached if reuse else None, reuse)
+
+    def _account(self, session: str | None, row: _Row, completion: Completion, cache,
+                 index: int, columns: torch.Tensor | None) -> PrefixCounts:
+        """Row `index` of a finished batch: its prefix counts, and for a session its
+        computed tokens recorded and their keys and values kept (as the bounds allow)."""
+        if columns is None:  # stopped before its batch began: nothing was computed
+            return PrefixCounts()
+        counts = self.ledger.count(session, row.tokens, row.reuse)
+        if session is not None:
+            kept = computed_tokens(row.tokens, completion.tokens)
+            self.ledger.record(session, kept)
+            self.session_kv.put(session, kept, lambda: row_kv(cache, index, columns))
+        return counts
+
+    def end_session(self, session: str) -> None:
+        """Forget `session`: its cached keys and values go, and a later row with its name
+        starts a new one."""
+        self.session_kv.drop(session)
+        self.ledger.end(session)
+
+    def prefix_counts(self, reset: bool = False) -> PrefixCounts:
+        """Every row's `Completion.prefix` summed since the start (`reset`: then start
+        again from zero)."""
+        return self.ledger.totals(reset)
+
+    def _new_cache(self):
         from transformers import DynamicCache
 
+        return DynamicCache(config=self.model.config)
+
+    def _batch(self, rows: Sequence[_Row], params: SamplingParams, rng: torch.Generator,
+               stop: Callable[[], bool] | None
+               ) -> tuple[list[Completion], object, list[torch.Tensor | None]]:
+        """A completion of each row, of at most its budget's tokens (`versions` left
+        empty), unfinished where `stop` said so first; the batch's cache, and per row the
+        cache's columns that hold its computed tokens (None: not computed, the call was
+        stopped first).
+
+        Columns: each row's reused prefix right-aligned in the first `width` (the longest
+        reused), its new tokens right-aligned in the next `span`, then one a decoding
+        step; the mask leaves out the gaps, and positions count the unmasked columns."""
         if stop is not None and stop():
-            return [Completion([], finished=False) for _ in prompts]
-        b, width, steps = len(prompts), max(len(p) for p in prompts), max(budgets)
-        tokens = torch.zeros(b, width, dtype=torch.long, device=self.device)
-        mask = torch.zeros(b, width + steps, dtype=torch.long, device=self.device)
-        for row, prompt in enumerate(prompts):  # left padding
-            tokens[row, width - len(prompt):] = torch.tensor(prompt, device=self.device)
-            mask[row, width - len(prompt):width] = 1
-        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        logits = self._logits(tokens, mask[:, :width], positions, cache)
+            return [Completion([], finished=False) for _ in rows], None, [None] * len(rows)
+        news = [row.tokens[row.reuse:] for row in rows]
+        b, width, span = len(rows), max(row.reuse for row in rows), max(len(n) for n in news)
+        steps = max(row.budget for row in rows)
+        tokens = torch.zeros(b, span, dtype=torch.long, device=self.device)
+        mask = torch.zeros(b, width + span + steps, dtype=torch.long, device=self.device)
+        for i, (row, new) in enumerate(zip(rows, news, strict=True)):  # left padding
+            tokens[i, span - len(new):] = torch.tensor(new, device=self.device)
+            mask[i, width - row.reuse:width] = 1
+            mask[i, width + span - len(new):width + span] = 1
+        start = width + span
+        positions = (mask[:, :start].cumsum(-1) - 1).clamp(min=0)[:, width:]
+        cache = self._new_cache()
+        if width:
+            prefilled_cache(cache, [row.cached for row in rows], [row.reuse for row in rows],
+                            width)
+        for row in rows:
+            row.cached = None  # copied: the session cache may let it go (and its memory)
+        logits = self._logits(tokens, mask[:, :start], positions, cache)
         position = positions[:, -1:]
         stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
-        budget = torch.tensor(budgets, dtype=torch.long, device=self.device)
+        budget = torch.tensor([row.budget for row in rows], dtype=torch.long,
+                              device=self.device)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         sampled, logprobs = [], []
         preempted = False
@@ -194,11 +321,16 @@ class TorchGenerator:
             if stop is not None and stop():
                 preempted = True
                 break
-            mask[:, width + step] = 1
+            mask[:, start + step] = 1
             position = position + 1
-            logits = self._logits(token[:, None], mask[:, :width + step + 1], position, cache)
-        return _completions(torch.stack(sampled, 1), torch.stack(logprobs, 1), budgets,
-                            params, preempted)
+            logits = self._logits(token[:, None], mask[:, :start + step + 1], position, cache)
+        completions = _completions(torch.stack(sampled, 1), torch.stack(logprobs, 1),
+                                   [row.budget for row in rows], params, preempted)
+        columns = [mask[i, :start].nonzero()[:, 0] for i in range(b)]
+        columns = [torch.cat([cols, torch.arange(start, start + max(0, len(c.tokens) - 1),
+                                                 device=self.device)])
+                   for cols, c in zip(columns, completions, strict=True)]
+        return completions, cache, columns
 
     def _logits(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                 cache) -> torch.Tensor:

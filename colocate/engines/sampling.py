@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 
@@ -30,6 +30,41 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(frozen=True)
+class PrefixCounts:
+    """How prompts were prefilled, for one row or summed (`total`): of `prompt_tokens`
+    prefilled (a continued completion's earlier tokens included), `reused` had their keys
+    and values taken from the engine's cache, not computed, and `recomputed` were computed
+    again although the row's session had computed them before (its cache had let them go:
+    a sleep, a weight load, eviction, or a cache too small to keep them). The rest, `new`,
+    no earlier call of the session had computed."""
+
+    prompt_tokens: int = 0
+    reused: int = 0
+    recomputed: int = 0
+
+    @property
+    def new(self) -> int:
+        return self.prompt_tokens - self.reused - self.recomputed
+
+    @property
+    def recompute_share(self) -> float:
+        """Of the tokens that could have come from the cache, the share computed again
+        (0.0 when there were none)."""
+        known = self.reused + self.recomputed
+        return self.recomputed / known if known else 0.0
+
+    def __add__(self, other: PrefixCounts) -> PrefixCounts:
+        return PrefixCounts(self.prompt_tokens + other.prompt_tokens,
+                            self.reused + other.reused, self.recomputed + other.recomputed)
+
+    @staticmethod
+    def total(counts: Iterable[PrefixCounts | None]) -> PrefixCounts:
+        """The sum (None counts nothing): a call's figures from its completions'
+        `prefix`."""
+        return sum((c for c in counts if c is not None), PrefixCounts())
+
+
 @dataclass
 class Completion:
     """One sampled continuation: its tokens (a stop token included, when one ended it) and
@@ -40,7 +75,9 @@ class Completion:
     (`partial=`) to continue it on the weights loaded then. `versions` says, token by
     token, which weights sampled it: the generator's weights version (0 as loaded, + 1 at
     each weight load), so a continued completion tells its old tokens from its new ones
-    (empty when the engine does not say)."""
+    (empty when the engine does not say). `prefix` says how the call that returned it
+    prefilled its prompt (None: that call did not prefill it, a finished completion
+    passed back through `partial`); `PrefixCounts.total` sums a call's."""
 
     tokens: list[int]
     logprobs: list[float] = field(default_factory=list)
@@ -49,6 +86,7 @@ class Completion:
     # per token: the weights version; provenance, not content: two completions of equal
     # tokens, log-probabilities and ends are equal whatever loads came between
     versions: list[int] = field(default_factory=list, compare=False)
+    prefix: PrefixCounts | None = field(default=None, compare=False)
 
 
 def partial_list(partial: Sequence[Completion | None] | None, count: int,
@@ -83,4 +121,4 @@ def continued(before: Completion | None, new: Completion, version: int) -> Compl
     old_versions = before.versions or [-1] * len(before.tokens)  # -1: not known
     return Completion(before.tokens + new.tokens, before.logprobs + new.logprobs,
                       stopped=new.stopped, finished=new.finished,
-                      versions=old_versions + [version] * len(new.tokens))
+                      versions=old_versions + [version] * len(new.tokens), prefix=new.prefix)

@@ -23,6 +23,14 @@ called with the same arguments at once (SPMD), data-parallel ranks generate thei
 the prompts and gather the whole list, and weights load bucket by bucket with vLLM's own
 `load_weights`, which shards them for tensor parallelism.
 
+Prefix caching is on (`enable_prefix_caching=True`): a request whose leading tokens equal
+those of an earlier one (a session's next turn, a group's shared prompt) reuses their
+keys and values, in whole KV blocks, from the KV cache stage (no memory beyond it; the
+cache is reset at its sleep and at each weight load). Rows may name a session
+(`sessions`): each row's `Completion.prefix` counts, from vLLM's own
+`RequestOutput.num_cached_tokens`, the tokens reused and those of the session's earlier
+calls computed again, as the torch generator does (`sessions.SessionLedger`).
+
 Sampling follows `SamplingParams`: greedy at temperature 0, stop tokens included in the
 output, request `i` seeded with `seed + i` when a seed is given (so equal prompts in one
 batch still differ), and each token's log-probability under the distribution it was drawn
@@ -37,6 +45,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +54,15 @@ import vllm
 
 from colocate import memory
 from colocate.engines.generating import check_prompts
-from colocate.engines.generator import kv_cache_bytes
-from colocate.engines.sampling import Completion, SamplingParams, continued, partial_list
+from colocate.engines.generator import KV_BLOCK_TOKENS, kv_cache_bytes
+from colocate.engines.sampling import (
+    Completion,
+    PrefixCounts,
+    SamplingParams,
+    continued,
+    partial_list,
+)
+from colocate.engines.sessions import SessionLedger, check_sessions, computed_tokens
 from colocate.engines.vllm_sleep import STAGES, ArenaSleep, NativeSleep, VLLMTenancy
 from colocate.engines.weights import WeightStream, as_stream
 
@@ -73,7 +89,9 @@ class VLLMGenerator:
             model=str(model_dir), worker_extension_cls=WORKER, dtype="float32",
             enforce_eager=True, max_model_len=self.max_model_len, max_num_seqs=max_batch,
             seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=native,
-            kv_cache_memory_bytes=kv_cache_bytes(config, max_batch, self.max_model_len),
+            kv_cache_memory_bytes=kv_cache_bytes(config, max_batch, self.max_model_len,
+                                                 llm_kwargs.get("block_size") or KV_BLOCK_TOKENS),
+            enable_prefix_caching=True,
         )
         if ranks > 1:  # join this replica's torch.distributed world, in this process
             settings["distributed_executor_backend"] = "external_launcher"
@@ -91,6 +109,7 @@ class VLLMGenerator:
         self.data_parallel = llm_kwargs.get("data_parallel_size", 1)
         self.data_parallel_rank = _data_parallel_rank() if self.data_parallel > 1 else 0
         self._tags = [f"{prefix}/{stage}" for stage in STAGES]
+        self.ledger = SessionLedger()
 
     def close(self) -> None:
         """Stop the engine and free what it holds (tensors, the torch.distributed group),
@@ -140,7 +159,8 @@ class VLLMGenerator:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  partial: Sequence[Completion | None] | None = None,
-                 stop: Callable[[], bool] | None = None) -> list[Completion]:
+                 stop: Callable[[], bool] | None = None,
+                 sessions: Sequence[str | None] | None = None) -> list[Completion]:
         """One completion per prompt (token ids), in order. `partial[i]`, when given, is
         what an earlier call returned for prompt i: an unfinished one is continued (prompt
         and prefix prefilled on the weights loaded now, as the torch generator does), a
@@ -148,13 +168,17 @@ class VLLMGenerator:
 
         `stop` is polled after each engine step; once it answers True the requests still
         running are aborted and their outputs so far returned, `finished=False` (a
-        preempted call; only a one-rank engine is preempted: `preemptible`)."""
+        preempted call; only a one-rank engine is preempted: `preemptible`).
+
+        `sessions[i]`, when given, names the trajectory row i continues (None: none);
+        each completion's `prefix` counts its reused and recomputed tokens (see module)."""
         self._ensure_awake(STAGES, "generate")
         check_prompts(prompts, params.max_new_tokens, self.max_model_len, "max_model_len")
         before = partial_list(partial, len(prompts), params)
+        names = check_sessions(sessions, len(prompts))
         todo = [i for i, done in enumerate(before) if done is None or not done.finished]
         if not todo:
-            return list(before)  # type: ignore[arg-type]
+            return [replace(done, prefix=None) for done in before]  # type: ignore[type-var]
         prefixes = [done.tokens if done else [] for done in before]
         requests = [list(p) + prefix for p, prefix in zip(prompts, prefixes, strict=True)]
         budgets = [params.max_new_tokens - len(prefix) for prefix in prefixes]
@@ -172,10 +196,35 @@ class VLLMGenerator:
             by_index = {index: completion for indices, completions in shares
                         for index, completion in zip(indices, completions, strict=True)}
             new = [by_index[i] for i in todo]
-        out: list[Completion] = list(before)  # type: ignore[arg-type]
+        out: list[Completion] = [done and replace(done, prefix=None)  # type: ignore[misc]
+                                 for done in before]
         for index, completion in zip(todo, new, strict=True):
-            out[index] = continued(before[index], completion, self.version)
+            out[index] = continued(before[index], self._account(
+                names[index], requests[index], completion), self.version)
         return out
+
+    def _account(self, session: str | None, tokens: list[int],
+                 completion: Completion) -> Completion:
+        """`completion` (its `prefix` as vLLM reported it: the cached tokens) with its
+        counts against `session`'s record, which it then updates. Every rank does this
+        for every row, so each rank's record is the same."""
+        if completion.prefix is None:  # aborted before its prefill: nothing computed
+            return replace(completion, prefix=PrefixCounts())
+        counts = self.ledger.count(session, tokens, completion.prefix.reused)
+        if session is not None:
+            self.ledger.record(session, computed_tokens(tokens, completion.tokens))
+        return replace(completion, prefix=counts)
+
+    def end_session(self, session: str) -> None:
+        """Forget `session`'s record (a later row with its name starts a new one). Its
+        blocks stay in vLLM's prefix cache, which lets the least recently used go as
+        requests need room."""
+        self.ledger.end(session)
+
+    def prefix_counts(self, reset: bool = False) -> PrefixCounts:
+        """Every row's `Completion.prefix` summed since the start (`reset`: then start
+        again from zero)."""
+        return self.ledger.totals(reset)
 
     @property
     def preemptible(self) -> bool:
@@ -206,7 +255,7 @@ class VLLMGenerator:
             running = [rid for rid in ids if rid not in last or not last[rid].finished]
             if running:
                 engine.abort_request(running)
-        return [_completion(last[rid].outputs[0], last[rid].finished) if rid in last
+        return [_completion(last[rid], last[rid].finished) if rid in last
                 else Completion([], finished=False) for rid in ids]
 
     # -- helpers ---------------------------------------------------------------------------
@@ -283,10 +332,15 @@ def _vllm_params(params: SamplingParams, index: int, budget: int) -> vllm.Sampli
     )
 
 
-def _completion(out: Any, finished: bool = True) -> Completion:
+def _completion(request: Any, finished: bool = True) -> Completion:
+    """A request's output (`vllm.RequestOutput`), with its prompt's cached tokens as
+    `prefix.reused` (to be counted against its session's record)."""
+    out = request.outputs[0]
     tokens = list(out.token_ids)
     logprobs = [entry[token].logprob for token, entry in zip(tokens, out.logprobs, strict=True)]
-    return Completion(tokens, logprobs, stopped=out.finish_reason == "stop", finished=finished)
+    cached = PrefixCounts(len(request.prompt_token_ids or ()), request.num_cached_tokens or 0)
+    return Completion(tokens, logprobs, stopped=out.finish_reason == "stop", finished=finished,
+                      prefix=cached)
 
 
 _REQUESTS = itertools.count()  # request ids, unique in the process
