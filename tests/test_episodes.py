@@ -64,7 +64,9 @@ def rollouts(script: Script, transcript: Transcript, client: ToolClient, positio
              **rollout) -> AgentRollouts:
     grpo = GRPOConfig(group_size=2, prompts_per_step=1)
     return AgentRollouts(None, script.generate, lambda i: None, grpo, 8,
-                         RolloutConfig(**rollout), transcript, lambda: client, positions)
+                         RolloutConfig(**rollout), transcript, lambda: client, positions,
+                         lambda tokens, params, sessions, sticky: script.generate(tokens,
+                                                                                  params))
 
 
 @pytest.fixture(scope="module")

@@ -355,12 +355,20 @@ def test_an_environment_is_loaded_checked_and_stepped(tmp_path):
 
 
 def test_the_tools_and_env_sections_are_config_fields():
-    cfg = load_config(overrides=[f"tools.funcs={CALCULATOR}", "tools.timeout_s=2.5",
+    task = ["data.train_files=t.jsonl", "data.eval_files=e.jsonl", "reward.funcs=[m:f]",
+            "grpo.max_completion_length=8"]
+    cfg = load_config(overrides=[*task, f"tools.funcs={CALCULATOR}", "tools.timeout_s=2.5",
                                  "tools.workers=2", "rollout.bad_call_reward=-1",
-                                 "env.cls=my_env:Counter"])
+                                 "rollout.max_turns=3"])
     assert (cfg.tools.funcs, cfg.tools.timeout_s, cfg.tools.workers) == ([CALCULATOR], 2.5, 2)
-    assert cfg.rollout.bad_call_reward == -1 and cfg.env.cls == "my_env:Counter"
+    assert cfg.rollout.bad_call_reward == -1 and cfg.rollout.max_turns == 3
     assert load_config().tools.funcs == [] and load_config().env.cls is None
+    # what the loop cannot run yet is refused, naming what to do instead
+    for more, match in [([], "tools.funcs needs data.train_files"),
+                        ([*task, "rollout.mode=partial"], "rollout.mode=partial: episodes"),
+                        ([*task, "env.cls=my_env:Counter"], "env.cls: environments are not")]:
+        with pytest.raises(ValueError, match=match):
+            load_config(overrides=[f"tools.funcs={CALCULATOR}", *more])
     for override, match in [("tools.workers=0", "tools.workers=0: must be >= 1"),
                             ("tools.timeout_s=0", "tools.timeout_s=0.0: must be a number > 0"),
                             ("tools.funcs=nocolon", "write module:function"),

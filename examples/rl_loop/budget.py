@@ -80,7 +80,7 @@ def tenant_sizes(cfg: RLConfig, model_dir: Path, rank: int = 0) -> dict[str, Siz
                               "kv_cache": (kv_cache_bytes(*shape), False)}
         return {t: Size(stages) for t, stages in sizes.items()}
     sizes["generator"]["weights"] = (whole, False)
-    working = {"generator": working_bytes(*shape)}
+    working = {"generator": working_bytes(*shape) + (cfg.generator.session_cache_mb << 20)}
     return {t: Size(stages, working.get(t, 0)) for t, stages in sizes.items()}
 
 

@@ -101,10 +101,14 @@ class GeneratorConfig:
 
     tensor_parallel_size: int = 1  # vLLM: ranks per model copy; it divides run.slots
     max_batch: int = 64  # rows a replica decodes together (torch) or at most (vLLM)
+    session_cache_mb: int = 0  # torch: MiB of KV prefixes kept between an episode's turns
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"generator.max_batch={self.max_batch}: must be >= 1")
+        if self.session_cache_mb < 0:
+            raise ValueError(f"generator.session_cache_mb={self.session_cache_mb}: must be "
+                             ">= 0 (0: no cache, every turn prefilled anew)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"generator.tensor_parallel_size={self.tensor_parallel_size}: "
                              "must be >= 1")

@@ -21,13 +21,13 @@ messages after the prompt (chat rows), or the transcript's text (text rows).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from colocate.engines.sampling import Completion, SamplingParams
+from colocate.engines.sampling import Completion, PrefixCounts, SamplingParams
 from examples.rl_loop.data import Row
 from examples.rl_loop.grpo import GRPOConfig
 from examples.rl_loop.rollouts import Generate, Rollout, RolloutConfig, Rollouts
@@ -40,6 +40,9 @@ from examples.rl_loop.tool_calls import (
     render_plain,
 )
 
+# the loop's `Runtime.generate_turns`: prompts, params, each row's session, sticky
+GenerateTurns = Callable[[list[list[int]], SamplingParams, list[str], bool],
+                         Awaitable[list[Completion]]]
 TURN_SEED = 15_485_863  # turn t of a step samples with the step's seed + t times this
 
 
@@ -49,6 +52,7 @@ class Episode:
     each (and its log-probability there), the messages, and what happened."""
 
     row: Row
+    session: str  # its id: its turns go to the replica that holds its KV prefix
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     trained: list[bool] = field(default_factory=list)
@@ -151,10 +155,13 @@ class AgentRollouts(Rollouts):
     def __init__(self, source: Any, generate: Generate,
                  sampling: Callable[[int], SamplingParams], grpo: GRPOConfig, max_batch: int,
                  rollout: RolloutConfig, transcript: Transcript, tools: Callable[[], Any],
-                 max_positions: int) -> None:
+                 max_positions: int, generate_turns: GenerateTurns) -> None:
         super().__init__(source, generate, sampling, grpo, max_batch)
         self.cfg, self.transcript, self.tools = rollout, transcript, tools
-        self.max_positions = max_positions
+        self.max_positions, self.generate_turns = max_positions, generate_turns
+        self.sticky = True  # each episode's turns on its replica (a benchmark turns it off)
+        self.calls = 0  # episodes() calls so far: each episode's session id is unique
+        self.prefix: list[PrefixCounts | None] = []  # the generator's, per row of this call
 
     async def generate(self, index: int) -> Rollout:
         rows = self.source.sample(self.grpo.prompts_per_step)
@@ -163,7 +170,9 @@ class AgentRollouts(Rollouts):
     async def episodes(self, rows: list[Row], params: SamplingParams, copies: int
                        ) -> Rollout:
         """`copies` episodes per row, run together turn by turn to their ends."""
-        episodes = [Episode(row, said=[]) for row in rows for _ in range(copies)]
+        self.calls, self.prefix = self.calls + 1, []
+        episodes = [Episode(row, f"e{self.calls}-{i}")
+                    for i, row in enumerate(r for r in rows for _ in range(copies))]
         stats = self.tools().take_stats()  # this call's counts from here
         for turn in range(self.cfg.max_turns):
             going = [e for e in episodes if not e.ended]
@@ -175,7 +184,8 @@ class AgentRollouts(Rollouts):
         stats = self.tools().take_stats()
         return Rollout(rows, [e.row.tokens for e in episodes],
                        [e.completion() for e in episodes], {
-                           **episode_metrics(episodes), **stats.metrics()},
+                           **episode_metrics(episodes), **stats.metrics(),
+                           **prefix_metrics(PrefixCounts.total(self.prefix))},
                        trained=[e.trained for e in episodes],
                        conversations=[e.messages if e.row.chat else None for e in episodes],
                        extra_rewards=[self.cfg.bad_call_reward if e.bad_calls else 0.0
@@ -200,8 +210,10 @@ class AgentRollouts(Rollouts):
         seed = None if params.seed is None else params.seed + TURN_SEED * turn
         call = replace(params, max_new_tokens=budget, seed=seed,
                        stop_token_ids=(*params.stop_token_ids, *self.transcript.stop_ids))
-        completions = await self.generate_ids([e.row.tokens + e.tokens for e, _ in asked],
-                                              call)
+        completions = await self.generate_turns([e.row.tokens + e.tokens for e, _ in asked],
+                                                call, [e.session for e, _ in asked],
+                                                self.sticky)
+        self.prefix += [c.prefix for c in completions]
         calling = []
         for (episode, room), new in zip(asked, completions, strict=True):
             kept = min(room, len(new.tokens))
@@ -260,3 +272,12 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, Any]:
             "episode_ended": dict(sorted(ended.items())),
             "episode_tokens_mean": sum(len(e.tokens) for e in episodes) / n,
             "episode_trained_tokens_mean": sum(sum(e.trained) for e in episodes) / n}
+
+
+def prefix_metrics(counts: PrefixCounts) -> dict[str, Any]:
+    """The turns' prompt tokens whose KV the generator kept from the episode's last turn
+    (`reused`) and those it computed again (`recomputed`; every token of a first turn is
+    new, neither)."""
+    return {"prefix_reused_tokens": counts.reused,
+            "prefix_recomputed_tokens": counts.recomputed,
+            "prefix_recompute_share": counts.recompute_share}

@@ -106,8 +106,9 @@ class Loop:
         if cfg.tools.used:
             transcript = make_transcript(self.tokenizer, tool_schemas(cfg.tools),
                                          cfg.rollout.tool_format)
-            return AgentRollouts(*parts, cfg.rollout, transcript,
-                                 lambda: self.runtime.tools, max_positions(self.model_dir))
+            return AgentRollouts(*parts, cfg.rollout, transcript, lambda: self.runtime.tools,
+                                 max_positions(self.model_dir),
+                                 lambda *args: self.runtime.generate_turns(*args))
         return Rollouts(*parts)
 
     def _refused(self, err: Exception) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import os
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,8 @@ class Runtime:
         respawned alone and given the weights (`_resync`)."""
         run, options = self.cfg.run, {"engine": self.cfg.run.engine,
                                       "max_batch": self.cfg.generator.max_batch}
+        if run.engine == "torch" and self.cfg.generator.session_cache_mb:
+            options.update(session_cache_bytes=self.cfg.generator.session_cache_mb << 20)
         shared = run.colocate and restart.get("restart") == "group"
         shape = {"resource_group": group, **(restart if shared else {})}
         if run.engine == "torch":
@@ -176,6 +179,30 @@ class Runtime:
             self.generator.generate.route(tokens[i:i + size], self._seeded(params, i))
             for i in range(0, len(tokens), size)))
         return [c for part in parts for c in part]
+
+    async def generate_turns(self, tokens: list[list[int]], params: SamplingParams,
+                             sessions: list[str], sticky: bool = True) -> list:
+        """A completion of each prompt, the next turn of the episode `sessions[i]` names:
+        with `sticky`, each episode's turns on one replica (its session's, which may keep
+        its KV prefix between turns: `generator.session_cache_mb`), the rows of a replica in
+        one call; else spread as `generate_ids` spreads them. Seeded per row position."""
+        if not sticky:
+            return await self.generate_ids(tokens, params)
+        replicas = max(1, len(self.generator.replicas))
+        home = [zlib.crc32(session.encode()) % replicas for session in sessions]
+        out: list = [None] * len(tokens)
+
+        async def on(replica: int) -> None:
+            rows = [i for i, h in enumerate(home) if h == replica]
+            async with self.generator.session(id=f"episodes-{replica}"):  # one replica's
+                got = await self.generator.generate.route(
+                    [tokens[i] for i in rows], self._seeded(params, rows[0]), None,
+                    [sessions[i] for i in rows])
+            for i, completion in zip(rows, got, strict=True):
+                out[i] = completion
+
+        await asyncio.gather(*(on(r) for r in sorted(set(home))))
+        return out
 
     @staticmethod
     def _seeded(params: SamplingParams, first: int) -> SamplingParams:
