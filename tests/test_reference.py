@@ -187,7 +187,7 @@ async def test_beta_keeps_the_policy_near_the_reference_and_logs_the_kl(tmp_path
     assert [e.value for e in events.Scalars("rl/kl")] == pytest.approx(kls, rel=1e-5)
     free_metrics = json.loads((tmp_path / "beta0" / "metrics.json").read_text())
     assert "reference" not in {r["tenant"] for r in free_metrics["memory"]}
-    assert free.reference is None
+    assert free.runtime.reference is None
 
 
 async def test_a_sharded_reference_beside_vllm_on_two_slots(tmp_path):

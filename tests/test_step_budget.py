@@ -64,7 +64,7 @@ def test_a_reference_is_a_third_turn_and_each_stage_moves_once_a_step():
     assert required_per_step(sizes, 30) == 2 * 20
 
 
-def test_the_summary_sums_the_slots_and_the_auto_capacity_is_per_slot(tiny):
+def test_the_summary_sums_what_each_slot_requires(tiny):
     from colocate import ArbiterConfig
     from examples.rl_loop.budget import budget_summary
 

@@ -58,17 +58,18 @@ class Size:
         return sum(b for b, _ in self.stages.values()) + self.working
 
 
-def tenant_sizes(cfg: RLConfig, model_dir: Path, rank: int = 0) -> dict[str, Size]:
-    """Each tenant's size on slot `rank` (see module), in the order they take their turns
-    in a step: generator, reference (grpo.beta > 0), trainer."""
+def tenant_sizes(cfg: RLConfig, model_dir: Path, rank: int | None = 0) -> dict[str, Size]:
+    """Each tenant's size on slot `rank` (see module; None: as if unsharded, the whole
+    model on the slot), in the order they take their turns in a step: generator, reference
+    (grpo.beta > 0), trainer."""
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     params = list(model.parameters())  # tied: once
     whole = sum(p.numel() * p.element_size() for p in params)
     slots = cfg.run.slots
-    sharded = cfg.trainer.parallel == "fsdp" and slots > 1
-    mine = sum(shard_bytes(p, rank, slots) for p in params) if sharded else whole
+    sharded = cfg.trainer.parallel == "fsdp" and slots > 1 and rank is not None
+    mine = sum(shard_bytes(p, rank or 0, slots) for p in params) if sharded else whole
     tenants = ["generator"] + (["reference"] if cfg.grpo.beta > 0 else []) + ["trainer"]
     sizes = {t: {s: (units * mine, kept) for s, (units, kept) in STAGES[t].items()}
              for t in tenants}
@@ -126,7 +127,9 @@ def arbiter_config(cfg: RLConfig, model_dir: Path, on_gpu: bool) -> ArbiterConfi
         return ArbiterConfig(policy="exclusive")
     if run.slot_memory != "auto":
         return ArbiterConfig(policy="budget", slot_capacity_bytes=parse_bytes(run.slot_memory))
-    capacity = None if on_gpu else auto_capacity(tenant_sizes(cfg, model_dir))  # slot 0's
+    # the whole model's sizes: a sharded trainer holds less, and the capacity errs roomy
+    # (every tenant is spawned awake, so each must find room beside the others)
+    capacity = None if on_gpu else auto_capacity(tenant_sizes(cfg, model_dir, rank=None))
     return ArbiterConfig(policy="budget", slot_capacity_bytes=capacity)
 
 

@@ -25,8 +25,8 @@ class Hooks:
         """Step `index` begins (again, after a restart that went back to it)."""
 
     async def phase(self, label: str) -> None:
-        """The run enters phase `label` (one of `PHASES`): before its memory readings and,
-        in a step, before that phase's calls."""
+        """The run enters phase `label` (one of `PHASES`): after its memory readings and,
+        in a step, right before that phase's calls."""
 
     async def save(self, done: int, save: Callable[[], Awaitable[dict[str, Any]]]
                    ) -> dict[str, Any]:

@@ -143,8 +143,8 @@ class Loop:
 
     async def mark(self, label: str, clock: StepClock | None = None) -> None:
         """Enter phase `label` (the hooks', the record's, the progress bar's) and record what
-        each side holds now (the time it takes goes to `clock`'s readings)."""
-        await self.hooks.phase(label)
+        each side holds now (the time it takes goes to `clock`'s readings); then the hooks'
+        `phase`, right before the phase's calls."""
         self.record.phase(label)
         self.postfix["phase"] = label
         if self.bar is not None:  # shown now: the bar otherwise redraws only at a step's end
@@ -158,6 +158,7 @@ class Loop:
         self.peaks.add(readings)
         if clock is not None:
             clock.lap("readings")
+        await self.hooks.phase(label)
 
     def decode(self, tokens: list[int]) -> str:
         """A completion's text, without special tokens (the stop token among them)."""
