@@ -206,13 +206,7 @@ class AgentRollouts(Rollouts):
         asked = [(e, r) for e, r in zip(going, rooms, strict=True) if r > 0]
         if not asked:
             return
-        budget = min(params.max_new_tokens, max(r for _, r in asked))
-        seed = None if params.seed is None else params.seed + TURN_SEED * turn
-        call = replace(params, max_new_tokens=budget, seed=seed,
-                       stop_token_ids=(*params.stop_token_ids, *self.transcript.stop_ids))
-        completions = await self.generate_turns([e.row.tokens + e.tokens for e, _ in asked],
-                                                call, [e.session for e, _ in asked],
-                                                self.sticky)
+        completions = await self._generate(asked, params, turn)
         self.prefix += [c.prefix for c in completions]
         calling = []
         for (episode, room), new in zip(asked, completions, strict=True):
@@ -226,12 +220,36 @@ class AgentRollouts(Rollouts):
             last = new.tokens[kept - 1] if kept else None
             if parsed.has_calls and last not in params.stop_token_ids:
                 calling.append((episode, parsed, text))
-            elif last in call.stop_token_ids:  # its stop token, or a turn with no call
+            elif last in (*params.stop_token_ids, *self.transcript.stop_ids):  # no call
                 episode.ended = "answer"
             else:
                 episode.ended = "overflow" if kept == room else "length"
         if turn + 1 < self.cfg.max_turns:  # the last turn's calls would go unread
             await asyncio.gather(*(self._call_tools(*c) for c in calling))
+
+    async def _generate(self, asked: list[tuple[Episode, int]], params: SamplingParams,
+                        turn: int) -> list[Completion]:
+        """The turn's completions: one call for the episodes with room for a whole turn
+        (the usual), one per shorter room (a call's every row must fit the model)."""
+        seed = None if params.seed is None else params.seed + TURN_SEED * turn
+        call = replace(params, seed=seed,
+                       stop_token_ids=(*params.stop_token_ids, *self.transcript.stop_ids))
+        by_budget: dict[int, list[int]] = {}
+        for i, (_, room) in enumerate(asked):
+            by_budget.setdefault(min(params.max_new_tokens, room), []).append(i)
+        out: list[Completion] = [None] * len(asked)  # type: ignore[list-item]
+
+        async def rows(budget: int, which: list[int]) -> None:
+            got = await self.generate_turns(
+                [asked[i][0].row.tokens + asked[i][0].tokens for i in which],
+                replace(call, max_new_tokens=budget,
+                        seed=None if seed is None else seed + which[0]),
+                [asked[i][0].session for i in which], self.sticky)
+            for i, completion in zip(which, got, strict=True):
+                out[i] = completion
+
+        await asyncio.gather(*(rows(b, which) for b, which in sorted(by_budget.items())))
+        return out
 
     async def _call_tools(self, episode: Episode, parsed: ParsedTurn, text: str) -> None:
         """The turn's calls, at once; their results appended as the observation."""
