@@ -10,8 +10,13 @@ the episodes together buys when tools are slow.
    generate call a turn for every episode still going, their tool calls together) against
    one at a time: samples per second (`samples_per_s_ratio`: at once / one at a time) and
    the generator's busy share (the time inside generate calls / the wall time) for each.
+3. On two torch generator replicas with a session KV cache (`generator.session_cache_mb`),
+   the same episodes with each episode's turns on its own replica (sticky, as the loop
+   runs them) against dealt round robin: the share of the turns' earlier tokens computed
+   again instead of taken from the cache (`prefix_recompute_share_sticky`, `_round_robin`).
 
-    .venv/bin/python -m bench.agentic [--steps 300] [--episodes 32] [--out FILE]
+    .venv/bin/python -m bench.agentic [--steps 300] [--warm-steps 300] [--episodes 32]
+                                      [--out FILE]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 
 from bench.common import announce
 from examples.rl_loop.tasks import multiply
+from examples.rl_loop.tasks.multiply_warm import warm
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "examples" / "rl_loop" / "tasks"
@@ -59,10 +65,12 @@ def task_overrides(data: Path, tools: str) -> list[str]:
             "model.max_positions=48", "run.save_every=0", "run.resume=none"]
 
 
-def train(work: Path, steps: int) -> tuple[dict[str, Any], Path]:
-    """The tool task trained for `steps` steps: its metrics.json and its trained model."""
+def train(work: Path, steps: int, warm_steps: int) -> tuple[dict[str, Any], Path]:
+    """The tool task from its warm start, trained for `steps` steps: its metrics.json and
+    its trained model."""
     out = work / "train"
-    command = [sys.executable, "-m", "examples.rl_loop",
+    start = warm(work / "data", work / "start", warm_steps)
+    command = [sys.executable, "-m", "examples.rl_loop", f"model.path={start}",
                *task_overrides(work / "data", f"{TASKS / 'multiply_tools.py'}:calculator"),
                f"run.steps={steps}", f"run.eval_every={max(1, steps // 6)}", f"run.out={out}"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -81,7 +89,8 @@ async def throughput(work: Path, model: Path, episodes: int) -> dict[str, Any]:
     slow = work / "slow_tools.py"
     slow.write_text(SLOW_TOOL)
     cfg = load_config(overrides=[*task_overrides(work / "data", f"{slow}:calculator"),
-                                 f"model.path={model}", "tools.workers=8",
+                                 f"model.path={model}", "tools.workers=8", "run.slots=2",
+                                 "generator.session_cache_mb=16",
                                  f"run.out={work / 'throughput'}"])
     loop = Loop(cfg)
     rollouts, busy = loop.rollouts, [0.0]
@@ -101,6 +110,12 @@ async def throughput(work: Path, model: Path, episodes: int) -> dict[str, Any]:
     try:
         async with phase(loop.generator):
             await rollouts.episodes(rows[:2], loop.greedy, 1)  # warm
+            for sticky in (True, False):
+                rollouts.sticky = sticky
+                got = await rollouts.episodes(rows, loop.greedy, 1)
+                found["prefix_recompute_share_" + ("sticky" if sticky else "round_robin")] = \
+                    got.metrics["prefix_recompute_share"]
+            rollouts.sticky = True
             for arm in ("at_once", "one_at_a_time"):
                 busy[0], began = 0.0, time.monotonic()
                 if arm == "at_once":
@@ -121,6 +136,7 @@ async def throughput(work: Path, model: Path, episodes: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="the tool task's GRPO steps")
+    parser.add_argument("--warm-steps", type=int, default=300, help="the warm start's")
     parser.add_argument("--episodes", type=int, default=32)
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
@@ -129,7 +145,7 @@ def main() -> None:
         work = Path(tmp)
         multiply.write(work / "data")
         began = time.monotonic()
-        metrics, model = train(work, args.steps)
+        metrics, model = train(work, args.steps, args.warm_steps)
         evals = [s for s in metrics["steps"] if "eval_reward" in s]
         print(f"tool task: eval {evals[0]['eval_reward']:.3f} -> {evals[-1]['eval_reward']:.3f}"
               f" in {args.steps} steps ({time.monotonic() - began:.0f} s)", flush=True)
@@ -143,11 +159,13 @@ def main() -> None:
         "final_eval_correct": evals[-1].get(correct),
         "eval_curve": [(s["step"], s["eval_reward"]) for s in evals],
         "tool_ms": SLOW_MS, "episodes": args.episodes, **{
-            f"{arm}_{k}": v for arm, found in arms.items() for k, v in found.items()},
+            f"{arm}_{k}": v for arm, found in arms.items() if isinstance(found, dict)
+            for k, v in found.items()},
         "samples_per_s_ratio": arms["at_once"]["samples_per_s"]
         / arms["one_at_a_time"]["samples_per_s"],
-        "generator_busy_share": {arm: found["generator_busy_share"]
-                                 for arm, found in arms.items()},
+        "generator_busy_share": {arm: arms[arm]["generator_busy_share"]
+                                 for arm in ("at_once", "one_at_a_time")},
+        **{k: v for k, v in arms.items() if k.startswith("prefix_")},
     }
     text = json.dumps(result, indent=2)
     if args.out:

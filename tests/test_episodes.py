@@ -41,6 +41,7 @@ class Script:
     def __init__(self, tokenizer, turns: dict[str, list[str]], stop_ids) -> None:
         self.tokenizer, self.turns, self.stop_ids = tokenizer, turns, stop_ids
         self.calls = 0
+        self.budgets: list[int] = []
 
     def tokens(self, text: str) -> list[int]:
         ids = self.tokenizer(text.removesuffix(EOS), add_special_tokens=False).input_ids
@@ -50,6 +51,7 @@ class Script:
                        ) -> list[Completion]:
         assert set(self.stop_ids) <= set(params.stop_token_ids)
         self.calls += 1
+        self.budgets.append(params.max_new_tokens)
         out = []
         for prompt in prompts:
             text = self.tokenizer.decode(prompt, skip_special_tokens=False)
@@ -117,6 +119,26 @@ async def test_plain_episodes_call_the_tool_service_and_mask_its_results(plain):
     assert (m["episode_bad_calls"], m["episode_tool_errors"], m["tools/calls"]) == (1, 1, 2)
     assert m["episode_ended"] == {"answer": 4} and m["episode_turns_mean"] == 7 / 4
     assert m["tools/errors/raised"] == 1
+
+
+async def test_an_episode_near_the_models_length_gets_a_call_of_its_own(plain):
+    """Every row of a generate call must fit the model: an episode with less room than a
+    whole turn is asked for what it has room for, in a call apart; the others keep theirs,
+    and one that runs out of room ends as an overflow."""
+    tokenizer, _ = plain
+    transcript = Transcript(tokenizer, tool_schemas(ToolsConfig(funcs=[CALCULATOR])))
+    rows = [row(tokenizer, "1*2="), row(tokenizer, "123456*7=")]
+    script = Script(tokenizer, {"1*2=": ["2" + EOS], "123456*7=": ["86419"]},
+                    transcript.stop_ids)
+    positions = len(rows[1].tokens) + 5  # the long prompt has room for 5 tokens, not 10
+    async with start_runtime(gpus_per_host=1):
+        client = await ToolClient.spawn(ToolsConfig(funcs=[CALCULATOR]))
+        got = await rollouts(script, transcript, client, positions, max_turns=2).episodes(
+            rows, SamplingParams(max_new_tokens=10,
+                                 stop_token_ids=(tokenizer.eos_token_id,)), 1)
+    assert sorted(script.budgets) == [5, 10]
+    assert [c.stopped for c in got.completions] == [True, False]
+    assert got.metrics["episode_ended"] == {"answer": 1, "overflow": 1}
 
 
 def test_the_loss_never_scores_an_observation_token(plain):

@@ -63,6 +63,7 @@ class Runtime:
     def __init__(self, cfg: RLConfig, model_dir: Path, recovery: Recovery) -> None:
         self.cfg, self.model_dir, self.recovery = cfg, model_dir, recovery
         self.tools: ToolClient | None = None  # tools.funcs: the tools' own service
+        self.turn_calls = 0  # generate_turns calls so far (a round robin's position)
         # transformers' per-load progress bars (here and in the procs) would bury the loop's
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         self.reference: Service | None = None
@@ -185,11 +186,12 @@ class Runtime:
         """A completion of each prompt, the next turn of the episode `sessions[i]` names:
         with `sticky`, each episode's turns on one replica (its session's, which may keep
         its KV prefix between turns: `generator.session_cache_mb`), the rows of a replica in
-        one call; else spread as `generate_ids` spreads them. Seeded per row position."""
-        if not sticky:
-            return await self.generate_ids(tokens, params)
+        one call; else each call's rows dealt to the replicas in turn, one further on each
+        call (round robin: a benchmark's comparison). Seeded per row position."""
         replicas = max(1, len(self.generator.replicas))
-        home = [zlib.crc32(session.encode()) % replicas for session in sessions]
+        self.turn_calls += 1
+        home = [zlib.crc32(session.encode()) % replicas if sticky
+                else (i + self.turn_calls) % replicas for i, session in enumerate(sessions)]
         out: list = [None] * len(tokens)
 
         async def on(replica: int) -> None:
