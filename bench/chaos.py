@@ -21,8 +21,8 @@ moment (the step drawn from the seed, a delay drawn into the phase it hits):
   and saves again there (`examples/rl_loop/saves.py`), and the run goes on;
 - `past-max-restarts`: a kill once the run's restarts are at `run.max_restarts`: the run
   stops naming the cause, and `run.resume=auto` finishes it;
-- `hang`: SIGSTOP of the slot proc while it generates; the run's routed calls bounded by
-  `CALL_BOUND_S` (the services' `call_timeout_s`, set small for that run): the call past
+- `hang`: SIGSTOP of the slot proc while it generates; the run's calls bounded by
+  `CALL_BOUND_S` (`run.call_timeout_s`, set small for that run): the call past
   it counts as a hung proc, killed and restarted as after a crash (the bench's own bound,
   `HANG_S` without a step, would kill it otherwise and say so).
 
@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
-import functools
 import json
 import os
 import random
@@ -50,7 +48,6 @@ import signal
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -340,36 +337,8 @@ def leftovers(before: set[str], pids: set[int], older: set[int]) -> dict[str, li
     return {"procs": alive, "shm": files}
 
 
-@contextlib.contextmanager
-def call_bound(seconds: float | None) -> Iterator[None]:
-    """The run's routed calls and the arbiters' calls to a proc bounded by `seconds` (the
-    services' `call_timeout_s`: a call past it counts as a hung proc, killed and restarted
-    as after a crash); the loop's own bounds when None."""
-    from examples.rl_loop import reference, runtime
-    from services import ServiceConfig
-
-    if seconds is None:
-        yield
-        return
-    real_arbiter = runtime.arbiter_config
-    runtime.ServiceConfig = reference.ServiceConfig = functools.partial(  # type: ignore
-        ServiceConfig, call_timeout_s=seconds)
-    runtime.arbiter_config = lambda *args, **kwargs: dataclasses.replace(
-        real_arbiter(*args, **kwargs), call_timeout_s=seconds)
-    try:
-        yield
-    finally:
-        runtime.ServiceConfig = reference.ServiceConfig = ServiceConfig
-        runtime.arbiter_config = real_arbiter
-
-
 async def run_once(cfg: Any, faults: list[Fault]) -> tuple[Any, BaseException | None]:
     """One run (a loop with `faults`); never waits past the bench's bound without progress."""
-    with call_bound(CALL_BOUND_S if any(f.kind == "hang" for f in faults) else None):
-        return await _run_once(cfg, faults)
-
-
-async def _run_once(cfg: Any, faults: list[Fault]) -> tuple[Any, BaseException | None]:
     chaos = make_chaos(cfg, faults)
     task = asyncio.ensure_future(chaos.loop.run())
     seen, last = -1, time.monotonic()
@@ -403,8 +372,10 @@ async def faulted_run(shape: str, faults: list[Fault], args: argparse.Namespace,
     pending, stops, pids = list(faults), [], set()
     before, older = shm_files(), children()
     for _ in range(len(faults) + 2):
+        bound = [f"run.call_timeout_s={CALL_BOUND_S}"] if any(
+            f.kind == "hang" for f in pending) else []
         cfg = load_config(overrides=overrides(shape, out, args,
-                                              f"run.max_restarts={MAX_RESTARTS}"))
+                                              f"run.max_restarts={MAX_RESTARTS}", *bound))
         chaos, err = await run_once(cfg, pending)
         failed_at = time.time()
         pids |= chaos.pids

@@ -19,6 +19,7 @@ all of them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 from dataclasses import dataclass
@@ -121,8 +122,13 @@ def auto_capacity(sizes: dict[str, Size]) -> int:
 
 
 def arbiter_config(cfg: RLConfig, model_dir: Path, on_gpu: bool) -> ArbiterConfig:
-    """The arbiter's config for the run's policy and slot memory."""
+    """The arbiter's config for the run's policy, slot memory and bound on a call to a
+    proc (`run.call_timeout_s`)."""
     run = cfg.run
+    if run.call_timeout_s:
+        unbound = dataclasses.replace(cfg, run=dataclasses.replace(run, call_timeout_s=0.0))
+        return dataclasses.replace(arbiter_config(unbound, model_dir, on_gpu),
+                                   call_timeout_s=run.call_timeout_s)
     if run.policy == "exclusive":
         return ArbiterConfig(policy="exclusive")
     if run.slot_memory != "auto":

@@ -133,6 +133,8 @@ class RunConfig:
     policy: str = "budget"  # budget: only what a slot lacks moves; exclusive: one awake a slot
     slot_memory: str = "auto"  # a slot's capacity in bytes (or KiB/MiB/GiB); auto: see budget.py
     cpu_threads: int = 0  # torch's intra-op threads in each slot proc (0: torch's, every core)
+    call_timeout_s: float = 0.0  # a call to a slot proc past this counts as a hung proc:
+    # killed, and its group restarted as after a crash (0: the services' and arbiter's own)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -140,7 +142,8 @@ class RunConfig:
         for name in ("steps", "eval_every", "slots", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"run.{name}={getattr(self, name)}: must be >= 1")
-        for name in ("save_every", "export_every", "max_restarts", "cpu_threads"):
+        for name in ("save_every", "export_every", "max_restarts", "cpu_threads",
+                     "call_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"run.{name}={getattr(self, name)}: must be >= 0")
         if not self.resume:

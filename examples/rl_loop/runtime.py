@@ -95,6 +95,7 @@ class Runtime:
         # back at step 0 would be a silent restart
         self.recovery.follow(group_restarts(groups[0]))
         restart = {"restart": "group"} if run.max_restarts else {"respawn": False}
+        restart.update(call_bound(self.cfg))
         self.trainer = await spawn_service(
             ServiceConfig(procs_per_host=run.slots, resource_group=groups[0], **restart),
             TrainerActor, path, lr=self.cfg.grpo.lr,
@@ -132,7 +133,7 @@ class Runtime:
         if run.engine == "torch" and self.cfg.generator.session_cache_mb:
             options.update(session_cache_bytes=self.cfg.generator.session_cache_mb << 20)
         shared = run.colocate and restart.get("restart") == "group"
-        shape = {"resource_group": group, **(restart if shared else {})}
+        shape = {"resource_group": group, **call_bound(self.cfg), **(restart if shared else {})}
         if run.engine == "torch":
             # every wake comes with the trainer's weights (a sync): keep none across sleeps
             config = ServiceConfig(num_replicas=run.slots, **shape)
@@ -212,6 +213,11 @@ class Runtime:
         seeded with seed + i, whichever replica serves it, so a run repeats exactly."""
         return params if params.seed is None else dataclasses.replace(params,
                                                                        seed=params.seed + first)
+
+
+def call_bound(cfg: RLConfig) -> dict[str, float]:
+    """The services' bound on a call (`run.call_timeout_s`), where the run sets one."""
+    return {"call_timeout_s": cfg.run.call_timeout_s} if cfg.run.call_timeout_s else {}
 
 
 def switch_ahead(target: Service) -> asyncio.Future[float]:

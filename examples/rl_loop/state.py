@@ -36,7 +36,8 @@ FORMAT = 1
 # the reward functions run, not what they say).
 IDENTITY = ("model", "task", "data", "reward.funcs", "reward.weights", "reward.on_error",
             "grpo", "run.seed", "run.engine")
-# and `rollout`, once a run is not sync (so the checkpoints of sync runs resume as before)
+# and `rollout`, once a run is not sync or calls tools (and then `tools.funcs`), so the
+# checkpoints of plain sync runs resume as before
 
 
 class ResumeError(RuntimeError):
@@ -98,8 +99,11 @@ def identity(config: dict[str, Any]) -> dict[str, Any]:
     """The IDENTITY settings of a resolved configuration (`config.as_dict`), by dotted name."""
     found = {}
     rollout = config.get("rollout", {"mode": "sync"})
-    if rollout["mode"] != "sync":
+    tools = config.get("tools", {}).get("funcs")
+    if rollout["mode"] != "sync" or tools:
         found["rollout"] = rollout
+    if tools:  # episodes with tools: which tools they call
+        found["tools.funcs"] = tools
     for name in IDENTITY:
         value: Any = config
         for key in name.split("."):
