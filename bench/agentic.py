@@ -90,7 +90,7 @@ async def throughput(work: Path, model: Path, episodes: int) -> dict[str, Any]:
     slow.write_text(SLOW_TOOL)
     cfg = load_config(overrides=[*task_overrides(work / "data", f"{slow}:calculator"),
                                  f"model.path={model}", "tools.workers=8", "run.slots=2",
-                                 "generator.session_cache_mb=16",
+                                 "generator.session_cache_mb=2",
                                  f"run.out={work / 'throughput'}"])
     loop = Loop(cfg)
     rollouts, busy = loop.rollouts, [0.0]

@@ -14,7 +14,8 @@ switch.
 `run.slot_memory=auto`: on a GPU, the device's own memory, measured by NVML at each
 switch; on CPU slots (which have no capacity of their own) a capacity below what the
 tenants hold together, so that they take turns: 1.3x the largest tenant, but at most 0.9x
-all of them.
+all of them, and never less than 1.05x the largest (one tenant far larger than the others
+must still fit).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def parse_bytes(value: str) -> int:
 def auto_capacity(sizes: dict[str, Size]) -> int:
     """CPU slots' `auto` capacity for a slot holding `sizes` (see module)."""
     totals = [size.total for size in sizes.values()]
-    return int(min(1.3 * max(totals), 0.9 * sum(totals)))
+    return int(max(1.05 * max(totals), min(1.3 * max(totals), 0.9 * sum(totals))))
 
 
 def arbiter_config(cfg: RLConfig, model_dir: Path, on_gpu: bool) -> ArbiterConfig:
