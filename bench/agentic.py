@@ -94,16 +94,16 @@ async def throughput(work: Path, model: Path, episodes: int) -> dict[str, Any]:
                                  f"run.out={work / 'throughput'}"])
     loop = Loop(cfg)
     rollouts, busy = loop.rollouts, [0.0]
-    generate = rollouts.generate_ids
+    generate = rollouts.generate_turns
 
-    async def timed(prompts: list[list[int]], params: Any) -> list:
+    async def timed(*args: Any) -> list:
         began = time.monotonic()
         try:
-            return await generate(prompts, params)
+            return await generate(*args)
         finally:
             busy[0] += time.monotonic() - began
 
-    rollouts.generate_ids = timed  # this bench's own rollouts, timed
+    rollouts.generate_turns = timed  # this bench's own rollouts, timed
     rows = loop.source.eval_rows()[:episodes]
     found: dict[str, Any] = {}
     await loop.start()

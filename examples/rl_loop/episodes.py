@@ -63,6 +63,7 @@ class Episode:
     bad_calls: int = 0
     tool_errors: int = 0
     tool_seconds: float = 0.0
+    computed: int = 0  # tokens whose keys and values a turn computed, from the prompt's start
     ended: str = ""  # answer (its stop token), length, max_turns, overflow
 
     def add(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
@@ -161,7 +162,7 @@ class AgentRollouts(Rollouts):
         self.max_positions, self.generate_turns = max_positions, generate_turns
         self.sticky = True  # each episode's turns on its replica (a benchmark turns it off)
         self.calls = 0  # episodes() calls so far: each episode's session id is unique
-        self.prefix: list[PrefixCounts | None] = []  # the generator's, per row of this call
+        self.prefix = PrefixCounts()  # this call's turns: their earlier tokens reused or not
 
     async def generate(self, index: int) -> Rollout:
         rows = self.source.sample(self.grpo.prompts_per_step)
@@ -170,7 +171,7 @@ class AgentRollouts(Rollouts):
     async def episodes(self, rows: list[Row], params: SamplingParams, copies: int
                        ) -> Rollout:
         """`copies` episodes per row, run together turn by turn to their ends."""
-        self.calls, self.prefix = self.calls + 1, []
+        self.calls, self.prefix = self.calls + 1, PrefixCounts()
         episodes = [Episode(row, f"e{self.calls}-{i}")
                     for i, row in enumerate(r for r in rows for _ in range(copies))]
         stats = self.tools().take_stats()  # this call's counts from here
@@ -185,7 +186,7 @@ class AgentRollouts(Rollouts):
         return Rollout(rows, [e.row.tokens for e in episodes],
                        [e.completion() for e in episodes], {
                            **episode_metrics(episodes), **stats.metrics(),
-                           **prefix_metrics(PrefixCounts.total(self.prefix))},
+                           **prefix_metrics(self.prefix)},
                        trained=[e.trained for e in episodes],
                        conversations=[e.messages if e.row.chat else None for e in episodes],
                        extra_rewards=[self.cfg.bad_call_reward if e.bad_calls else 0.0
@@ -207,11 +208,17 @@ class AgentRollouts(Rollouts):
         if not asked:
             return
         completions = await self._generate(asked, params, turn)
-        self.prefix += [c.prefix for c in completions]
+        for (episode, _), new in zip(asked, completions, strict=True):
+            # of the tokens it computed in its earlier turns, those the replica still had
+            reused = new.prefix.reused if new.prefix is not None else 0
+            self.prefix += PrefixCounts(len(episode.row.tokens) + len(episode.tokens), reused,
+                                        max(0, episode.computed - reused))
         calling = []
         for (episode, room), new in zip(asked, completions, strict=True):
             kept = min(room, len(new.tokens))
             episode.add(new.tokens[:kept], new.logprobs[:kept])
+            # keys and values computed: the prompt so far and all but the last token sampled
+            episode.computed = len(episode.row.tokens) + len(episode.tokens) - 1
             episode.turns += 1
             text = self.transcript.decode(new.tokens[:kept])
             parsed = self.transcript.parse(episode, text)
@@ -293,9 +300,10 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, Any]:
 
 
 def prefix_metrics(counts: PrefixCounts) -> dict[str, Any]:
-    """The turns' prompt tokens whose KV the generator kept from the episode's last turn
-    (`reused`) and those it computed again (`recomputed`; every token of a first turn is
-    new, neither)."""
+    """Of the tokens an episode's earlier turns computed keys and values for, those its
+    next turn's replica still had (`reused`: the same replica, its session cache kept) and
+    those computed again (`recomputed`: another replica, or the cache released by a switch
+    or its bound); a first turn's tokens are new, neither."""
     return {"prefix_reused_tokens": counts.reused,
             "prefix_recomputed_tokens": counts.recomputed,
             "prefix_recompute_share": counts.recompute_share}
