@@ -37,7 +37,7 @@ import torch
 from bench.common import announce
 from examples.rl_loop import task
 from examples.rl_loop.config import load_config
-from examples.rl_loop.grpo import pack_batch
+from examples.rl_loop.grpo import pack_batch, supervised_step
 from examples.rl_loop.runtime import model_dir
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "rl_loop" / "long_tail.yaml"
@@ -67,13 +67,7 @@ def warm_start(work: Path, steps: int, seed: int = 0) -> Path:
         answers = [tokenizer(task.answer(p), add_special_tokens=False).input_ids
                    + [tokenizer.eos_token_id] for p in prompts]
         input_ids, targets, mask = pack_batch(ids, answers, tokenizer.pad_token_id)
-        logits = model(input_ids=input_ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                                 reduction="none")
-        loss = (loss * mask.flatten()).sum() / mask.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        supervised_step(model, optimizer, input_ids, targets, mask)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

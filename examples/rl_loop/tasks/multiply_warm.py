@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from examples.rl_loop.config import load_config
-from examples.rl_loop.grpo import pack_batch
+from examples.rl_loop.grpo import pack_batch, supervised_step
 from examples.rl_loop.runtime import model_dir
 from examples.rl_loop.sources import make_source
 
@@ -70,13 +70,7 @@ def warm(data: Path, out: Path, steps: int = 300, seed: int = 0) -> Path:
         for row, (prompt, keep) in enumerate(zip(rows, trained, strict=True)):
             start = len(prompt.tokens) - 1
             mask[row, start:start + len(keep)] *= torch.tensor(keep, dtype=mask.dtype)
-        logits = model(input_ids=input_ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                                 reduction="none")
-        loss = (loss * mask.flatten()).sum() / mask.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        supervised_step(model, optimizer, input_ids, targets, mask)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
