@@ -16,7 +16,7 @@ reference, partial rollouts overlapping a tight slot), each at its tight capacit
 (`checks`): moved/required within [0.9, 1.05] from the second step on, no slot over its
 capacity, and every step's metrics equal to the exclusive policy's run (for the overlap,
 which the exclusive policy refuses: to the same run on ample slots).
-tests/test_step_budget.py runs two of them.
+tests/test_step_budget.py runs the overlap's.
 
     .venv/bin/python -m bench.budget [--steps 20] [--case-steps 10] [--out FILE]
 """
