@@ -19,7 +19,7 @@ loop syncs the trainer's weights into it there, so no call meets stale weights).
 
 Waits (for an awake replica, for calls in flight to finish before a switch) sleep on the
 service's `Changes` and wake when something they wait for may have changed: a switch ended
-(the resource manager tells its `Watcher`), a call finished, a replica changed state.
+(the resource manager tells its `Listener`), a call finished, a replica changed state.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from colocate.calls import call_spec
 from colocate.memory import SlotOutOfMemoryError, TagPausedError
 from colocate.monarch_compat import endpoint_names
 from colocate.resources.groups import Allocation
+from colocate.resources.listener import Listener
 from colocate.resources.manager import ResourceManager
 from colocate.resources.packing import ResourceRequest
-from colocate.resources.watcher import Watcher
 from services import room
 from services.autoscaler import Autoscaler, LoadSnapshot, ReplicaLoad
 from services.config import ServiceConfig
@@ -81,10 +81,10 @@ class Service(Picking, Generic[A]):
         self.held: str | None = None  # why routed calls wait: its group restarts
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()  # the client's Monarch context
-        self._watcher = Watcher(drain=self._drain, changed=self._changes.notify,
-                                failed=self._on_failure, close=self._close_with_runtime)
+        self._listener = Listener(drain=self._drain, changed=self._changes.notify,
+                                  failed=self._on_failure, close=self._close_with_runtime)
         restarts.join(self)  # refused when the group's services restart otherwise
-        rm.watch(self._watcher)
+        rm.listen(self._listener)
 
     def __getattr__(self, name: str) -> ServiceEndpoint[..., Any]:
         """`svc.<endpoint>`; typed from `A`'s endpoint by the mypy plugin
@@ -373,7 +373,7 @@ class Service(Picking, Generic[A]):
                 replica.move(ReplicaState.DRAINING)
             if replica.state in (ReplicaState.DRAINING, ReplicaState.FAILED):
                 replica.move(ReplicaState.STOPPED, replica.failure)
-        self._stop_watching()
+        self._stop_listening()
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Take no new calls, let the ones in flight finish (those still running after
@@ -384,12 +384,12 @@ class Service(Picking, Generic[A]):
         for replica in self.replicas:
             if replica.state is not ReplicaState.STOPPED:
                 await self.remove_replica(replica, grace_s)
-        self._stop_watching()
+        self._stop_listening()
 
-    def _stop_watching(self) -> None:
+    def _stop_listening(self) -> None:
         """Take no more news of switches and faults from the resource manager (the service
         is closed)."""
-        self.rm.unwatch(self._watcher)
+        self.rm.unlisten(self._listener)
 
 
 def _is_fault(err: ActorError) -> bool:

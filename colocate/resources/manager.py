@@ -7,22 +7,24 @@
                                await rm.allocate(ResourceRequest("rl", 2, 2), owner="gen"))
     await rm.wake("generator")     # the trainer sleeps on every slot first, verified
 
-The manager puts together three parts, each with one job: `groups.Groups` (resource groups
+The manager puts together the parts, each with one job: `groups.Groups` (resource groups
 and allocations: which procs each owner gets), `switching.Switchboard` (the per-host
-arbiters, the tenants registered with them, the switch protocol and its view of who is
-awake) and `faults.Faults` (which spawned actor meshes died). Its own job is the life of
+arbiters and the switch protocol), its `hosts_view.HostsView` (the tenants registered and
+who is awake), `handoff_client.Handoffs` (passing weights between tenants, staged or in
+place) and `faults.Faults` (which spawned actor meshes died). Its own job is the life of
 what it spawns: a spawn is checked, tracked and registered with the arbiters, or undone
 whole; a removal undoes all three. Clients (services) use its methods, and hear of
-switches and faults through a `Watcher`. Faults are seen early: an always-on `ProcWatch`
-has each host's arbiter poll the pids of the procs that run spawns. A group's procs can be
-replaced whole (`restart_group`, then `reallocate`), for clients that restart a group.
+switches and faults through a `Listener`. Faults are seen early: an always-on proc watch
+(`ProcWatchClient`) has each host's arbiter poll the pids of the procs that run spawns. A
+group's procs can be replaced whole (`restart_group`, then `reallocate`), for clients
+that restart a group.
 Without GPUs, `gpus_per_host` virtual slots (plain CPU procs) stand in for them.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 from monarch.actor import Actor
@@ -30,19 +32,22 @@ from monarch.actor import Actor
 from colocate.arbiter.actor import Preempter, TenantActor
 from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.host import HostStatus
+from colocate.arbiter.proc_watch import ProcWatchClient
 from colocate.arbiter.slot import SlotTraffic
 from colocate.arbiter.tenant import TenantInfo
 from colocate.calls import call_spec
 from colocate.monarch_compat import endpoint_names, mesh_name
 from colocate.resources.faults import Faults
 from colocate.resources.groups import Allocation, Group, Groups
+from colocate.resources.handoff_client import Handoffs
 from colocate.resources.hosts import HostJob
+from colocate.resources.hosts_view import HostsView
+from colocate.resources.in_place import InPlaceCopier
+from colocate.resources.listener import Listener
 from colocate.resources.packing import Inventory, ResourceError, ResourceRequest
-from colocate.resources.proc_watch import ProcWatch
 from colocate.resources.procs import rank_of
 from colocate.resources.spawning import check_importable, check_started, stop_actors
 from colocate.resources.switching import Switchboard
-from colocate.resources.watcher import Watcher
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,8 +70,11 @@ class ResourceManager:
         self.groups = Groups(job.mesh, Inventory(job.num_hosts, gpus_per_host), virtual)
         self.faults = Faults()
         self.switchboard = Switchboard(arbiter_config, on_lost=self.faults.lost)
-        self.proc_watch: ProcWatch | None = None  # started with the arbiters
-        self.watchers: list[Watcher] = []
+        self.view: HostsView = self.switchboard.view
+        self._handoffs = Handoffs(self.view, self.switchboard, InPlaceCopier(
+            self.view, self.switchboard, arbiter_config))
+        self.proc_watch: ProcWatchClient | None = None  # started with the arbiters
+        self.listeners: list[Listener] = []
         # name -> its actor mesh and procs per host, for usage()
         self._tenant_actors: dict[str, tuple[Any, int]] = {}
 
@@ -84,18 +92,18 @@ class ResourceManager:
         look inside them: bench/switch_parts.py times functions there)."""
         return self.switchboard.arbiter_procs
 
-    def watch(self, watcher: Watcher) -> None:
-        """Tell `watcher` of switches, faults and the shutdown from now on (each part
-        calls what is its own: see `colocate.resources.watcher`)."""
-        self.watchers.append(watcher)
-        self.switchboard.watchers.append(watcher)
-        self.faults.listeners.append(watcher)
+    def listen(self, listener: Listener) -> None:
+        """Tell `listener` of switches, faults and the shutdown from now on (each part
+        calls what is its own: see `colocate.resources.listener`)."""
+        self.listeners.append(listener)
+        self.switchboard.listeners.append(listener)
+        self.faults.listeners.append(listener)
 
-    def unwatch(self, watcher: Watcher) -> None:
-        """Stop telling `watcher` (a watcher not watching is left as it is)."""
-        for watchers in (self.watchers, self.switchboard.watchers, self.faults.listeners):
-            if watcher in watchers:
-                watchers.remove(watcher)
+    def unlisten(self, listener: Listener) -> None:
+        """Stop telling `listener` (one not listening is left as it is)."""
+        for listeners in (self.listeners, self.switchboard.listeners, self.faults.listeners):
+            if listener in listeners:
+                listeners.remove(listener)
 
     # -- groups and allocations ---------------------------------------------------------
 
@@ -228,8 +236,8 @@ class ResourceManager:
     async def start(self) -> None:
         """Start the hosts' arbiters, then their watch on the procs."""
         await self.switchboard.start(self.job.mesh, self.gpus_per_host)
-        self.proc_watch = ProcWatch(self.switchboard.arbiter, self.job.num_hosts,
-                                    self._procs_died)
+        self.proc_watch = ProcWatchClient(self.switchboard.arbiter, self.job.num_hosts,
+                                          self._procs_died)
         self.proc_watch.start()
 
     def _procs_died(self, host: int, pids: list[int]) -> None:
@@ -254,8 +262,7 @@ class ResourceManager:
         the endpoint) instead of being waited for; other calls drain as ever. A tenant that
         does not honour it within `ArbiterConfig.preempt_timeout_s` fails the wake
         (`PreemptTimeoutError`, naming it) before anything moved."""
-        if self.switchboard.is_tenant(name) and self.faults.alive(name) \
-                and self.switchboard.awake_now(name, stages) and self.switchboard.holds(name):
+        if self.view.is_tenant(name) and self.view.holds(name) and self._ready(name, stages):
             return
         await self.switchboard.wake(name, stages, preempt)
 
@@ -263,8 +270,8 @@ class ResourceManager:
                        preempt: bool = False) -> None:
         """Wake what a call that needs `stages` (None: every stage) needs of `name`: those
         of its own stages (see `routable`); nothing when it has none of them."""
-        if stages is not None and self.switchboard.is_tenant(name):
-            stages = self.switchboard.needed(name, stages)
+        if stages is not None and self.view.is_tenant(name):
+            stages = self.view.needed(name, stages)
             if not stages:
                 return
         await self.wake(name, None if stages is None else list(stages), preempt)
@@ -286,32 +293,40 @@ class ResourceManager:
         """Pass `source`'s weights to `target` on every slot they share (see
         `SlotArbiter.handoff`: under the exclusive policy `source` ends asleep, under a
         budget it stays awake where it fits); returns the bytes copied on all slots."""
-        return (await self.switchboard.handoffs(source, [target], keep, first))[target]
+        return (await self._handoffs.handoffs(source, [target], keep, first))[target]
 
-    @documented_by(Switchboard.handoffs)
+    @documented_by(Handoffs.handoffs)
     async def handoffs(self, source: str, targets: Sequence[str]) -> dict[str, int]:
-        return await self.switchboard.handoffs(source, targets)
+        return await self._handoffs.handoffs(source, targets)
 
     def routable(self, name: str, stages: Sequence[str] | None = None) -> bool:
-        """Alive and, for a tenant, awake on all its slots with no switch in flight that may
-        put it to sleep: every stage, or those of `stages` it has (a call's needs; the
-        others are ignored). Actors that are not tenants never sleep."""
-        if not self.faults.alive(name):
-            return False
-        return not self.switchboard.is_tenant(name) or self.switchboard.awake_now(
-            name, self.switchboard.needed(name, stages))
+        """Ready for a call that needs `stages` (None: every stage; those it lacks are
+        ignored): see `_ready`."""
+        return self._ready(name, self.view.needed(name, stages))
+
+    def _ready(self, name: str, stages: Collection[str] | None) -> bool:
+        """Whether `name` is awake enough: alive and, for a tenant, `stages` (None: all
+        of its own) awake on all its slots with no switch in flight that may put them to
+        sleep. Actors that are not tenants never sleep. A call routes to a ready replica,
+        and a wake of a ready tenant that holds its slots' working memory is skipped."""
+        return self.faults.alive(name) and (not self.view.is_tenant(name)
+                                            or self.view.awake_now(name, stages))
+
+    @documented_by(HostsView.roomy_for)
+    def roomy_for(self, name: str) -> bool:
+        return self.view.roomy_for(name)
 
     @documented_by(Faults.why)
     def failure(self, name: str) -> str | None:
         return self.faults.why(name)
 
-    @documented_by(Switchboard.awake_tenants)
+    @documented_by(HostsView.awake_tenants)
     def awake_tenants(self) -> list[str]:
-        return self.switchboard.awake_tenants()
+        return self.view.awake_tenants()
 
-    @documented_by(Switchboard.slots_of)
+    @documented_by(HostsView.slots_of)
     def slots_of(self, name: str) -> list[tuple[int, int]]:
-        return self.switchboard.slots_of(name)
+        return self.view.slots_of(name)
 
     @documented_by(Switchboard.status)
     async def status(self) -> dict[int, HostStatus]:
@@ -336,7 +351,7 @@ class ResourceManager:
 
         asked = [(name, host, slot, ask(rank_of(actors, rank, per_host)))
                  for name, (actors, per_host) in self._tenant_actors.items()
-                 if self.switchboard.is_tenant(name)
+                 if self.view.is_tenant(name)
                  for rank, (host, slot) in enumerate(self.slots_of(name))]
         answers = await asyncio.gather(*(question for *_, question in asked))
         usage: dict[int, dict[int, dict[str, TenantInfo | None]]] = {}
@@ -363,7 +378,7 @@ class ResourceManager:
         self.switchboard.abort()
         if self.proc_watch is not None:
             await self.proc_watch.stop()
-        await asyncio.gather(*(watcher.close(grace_s) for watcher in list(self.watchers)))
+        await asyncio.gather(*(listener.close(grace_s) for listener in list(self.listeners)))
         for group in list(self.groups.groups):
             await self.release(group, grace_s)
         await self.groups.stop_replacements(grace_s)
