@@ -40,12 +40,12 @@ from colocate.resources.groups import Allocation
 from colocate.resources.listener import Listener
 from colocate.resources.manager import ResourceManager
 from colocate.resources.packing import ResourceRequest
-from services import room
 from services.autoscaler import Autoscaler, LoadSnapshot, ReplicaLoad
 from services.config import ServiceConfig
 from services.distributed import setup_distributed
 from services.endpoint import ServiceEndpoint, endpoint_error
 from services.errors import ReplicaHungError, ServiceClosedError, ServiceUnavailableError
+from services.out_of_memory import make_room, refused
 from services.picking import Picking
 from services.replica import Replica, ReplicaState, ReplicaStateError, tenant_name
 from services.restart import GroupRestarts
@@ -125,12 +125,12 @@ class Service(Picking, Generic[A]):
             except ActorError as err:
                 if isinstance(err.exception, TagPausedError):
                     continue  # put to sleep under us: not a failure; route again
-                if isinstance(err.exception, SlotOutOfMemoryError):  # services.room
+                if isinstance(err.exception, SlotOutOfMemoryError):  # services.out_of_memory
                     if room_made:
-                        raise room.refused(self.name, replica.tenant, err.exception,
-                                           "refused again after room was made") from None
+                        raise refused(self.name, replica.tenant, err.exception,
+                                      "refused again after room was made") from None
                     room_made = True
-                    await room.make_room(self.rm, self.name, replica.tenant, err.exception)
+                    await make_room(self.rm, self.name, replica.tenant, err.exception)
                     continue
                 if not _is_fault(err):
                     raise err.exception from None  # the endpoint's own error: the caller's
@@ -199,7 +199,7 @@ class Service(Picking, Generic[A]):
                                      f"({replica.tenant}): {replica.failure}")
                 return
             replica.move(ReplicaState.RECOVERING)
-            self.keep(asyncio.ensure_future(self._respawn(replica)))
+            self.track(asyncio.ensure_future(self._respawn(replica)))
 
     def hold(self, why: str) -> None:
         """Its group restarts: every replica counts as failed and recovering (calls in
@@ -225,7 +225,7 @@ class Service(Picking, Generic[A]):
         self.held = None
         self._changes.notify()
 
-    def keep(self, task: asyncio.Task) -> None:
+    def track(self, task: asyncio.Task) -> None:
         """Track `task` (a respawn, or its group's restart) until it ends: a shutdown
         cancels or awaits it."""
         self._tasks.add(task)

@@ -8,16 +8,17 @@
     await rm.wake("generator")     # the trainer sleeps on every slot first, verified
 
 The manager puts together the parts, each with one job: `groups.Groups` (resource groups
-and allocations: which procs each owner gets), `switching.Switchboard` (the per-host
-arbiters and the switch protocol), its `hosts_view.HostsView` (the tenants registered and
-who is awake), `handoff_client.Handoffs` (passing weights between tenants, staged or in
-place) and `faults.Faults` (which spawned actor meshes died). Its own job is the life of
-what it spawns: a spawn is checked, tracked and registered with the arbiters, or undone
-whole; a removal undoes all three. Clients (services) use its methods, and hear of
-switches and faults through a `Listener`. Faults are seen early: an always-on proc watch
-(`ProcWatchClient`) has each host's arbiter poll the pids of the procs that run spawns. A
-group's procs can be replaced whole (`restart_group`, then `reallocate`), for clients
-that restart a group.
+and allocations: which procs each owner gets), `spawning.Spawns` (the life of what it
+spawns: checked, tracked and registered with the arbiters, or undone whole; a removal
+undoes all three), `switching.Switchboard` (the per-host arbiters and the switch
+protocol), its `hosts_view.HostsView` (the tenants registered and who is awake),
+`handoff_client.Handoffs` (passing weights between tenants, staged or in place) and
+`faults.Faults` (which spawned actor meshes died). Its own job is the runtime's face:
+clients (services) use its methods, and hear of switches and faults through a
+`Listener`; whether a tenant is ready for a call is decided here, once. Faults are seen
+early: an always-on proc watch (`ProcWatchClient`) has each host's arbiter poll the pids
+of the procs that run spawns. A group's procs can be replaced whole (`restart_group`,
+then `reallocate`), for clients that restart a group.
 Without GPUs, `gpus_per_host` virtual slots (plain CPU procs) stand in for them.
 """
 
@@ -29,14 +30,11 @@ from typing import Any, TypeVar
 
 from monarch.actor import Actor
 
-from colocate.arbiter.actor import Preempter, TenantActor
 from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.host import HostStatus
 from colocate.arbiter.proc_watch import ProcWatchClient
 from colocate.arbiter.slot import SlotTraffic
 from colocate.arbiter.tenant import TenantInfo
-from colocate.calls import call_spec
-from colocate.monarch_compat import endpoint_names, mesh_name
 from colocate.resources.faults import Faults
 from colocate.resources.groups import Allocation, Group, Groups
 from colocate.resources.handoff_client import Handoffs
@@ -45,8 +43,7 @@ from colocate.resources.hosts_view import HostsView
 from colocate.resources.in_place import InPlaceCopier
 from colocate.resources.listener import Listener
 from colocate.resources.packing import Inventory, ResourceError, ResourceRequest
-from colocate.resources.procs import rank_of
-from colocate.resources.spawning import check_importable, check_started, stop_actors
+from colocate.resources.spawning import Spawns
 from colocate.resources.switching import Switchboard
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -73,10 +70,8 @@ class ResourceManager:
         self.view: HostsView = self.switchboard.view
         self._handoffs = Handoffs(self.view, self.switchboard, InPlaceCopier(
             self.view, self.switchboard, arbiter_config))
-        self.proc_watch: ProcWatchClient | None = None  # started with the arbiters
+        self.spawns = Spawns(self.groups, self.faults, self.switchboard)
         self.listeners: list[Listener] = []
-        # name -> its actor mesh and procs per host, for usage()
-        self._tenant_actors: dict[str, tuple[Any, int]] = {}
 
     @property
     def num_hosts(self) -> int:
@@ -133,15 +128,11 @@ class ResourceManager:
     async def restart_group(self, name: str, grace_s: float = 5.0) -> Group:
         """New procs for every slot of group `name` (same hosts, slots and GPUs), the old
         ones killed. What still runs there is lost: remove your spawns first (`remove(...,
-        stop=False)`); spawns left on the old procs are failed (their watchers hear it)
+        stop=False)`); spawns left on the old procs are failed (their listeners hear it)
         and forgotten. The owners keep their slots: `reallocate` gives each allocation's
         cells on the new procs, so owners that shared a process share one again."""
-        left = self.faults.on_procs(self.groups.get(name).host_pids())
-        self.faults.lost(left, f"its resource group {name!r} was restarted")
-        for spawn in left:
-            await self.switchboard.unregister(spawn)
-            self._forget(spawn)
-        self._watch_procs()
+        await self.spawns.lose(self.faults.on_procs(self.groups.get(name).host_pids()),
+                               f"its resource group {name!r} was restarted")
         group, _ = await self.groups.restart(name, grace_s)
         return group
 
@@ -149,101 +140,27 @@ class ResourceManager:
         """The cells of `allocation` on its group's procs now (after `restart_group`)."""
         return self.groups.reslice(allocation)
 
-    def _give_back(self, allocation: Allocation) -> None:
-        """`free` an allocation of the group's own procs; one on replacement procs stands
-        for slots its owner still holds through its first allocation, so those stay."""
-        if not allocation.replacement:
-            self.groups.free(allocation)
-
     # -- spawned actors --------------------------------------------------------------
 
+    @documented_by(Spawns.spawn)
     async def spawn(self, name: str, actor_class: type[Actor], allocation: Allocation,
                     *args: Any, **kwargs: Any) -> Any:
-        """Spawn `actor_class` on the allocation's procs. A `TenantActor` on time-shared procs
-        is registered with its hosts' arbiters (and put to sleep where another tenant is
-        awake); on procs of a group without GPUs it takes no slot and never sleeps.
+        return await self.spawns.spawn(name, actor_class, allocation, *args, **kwargs)
 
-        An actor that cannot start (its class does not import in the procs, a tenant's
-        `__init__` raises, its process dies) raises one `SpawnError` naming it and the
-        original exception; what the spawn made is undone (its actors stopped, the name
-        free again, the allocation given back), and the arbiters and the other tenants go
-        on. A tenant is asked from here whether it started before any arbiter calls it."""
-        self.faults.reserve(name)
-        try:
-            await check_importable(allocation.procs, name, actor_class,
-                                   list(allocation.slots), allocation.group)
-        except BaseException:
-            self._forget(name)
-            self._give_back(allocation)
-            raise
-        actors = allocation.procs.spawn(name, actor_class, *args, **kwargs)
-        preempters = None
-        try:
-            tenant = issubclass(actor_class, TenantActor)
-            if tenant:  # it checks its own start, time-shared or not
-                await check_started(actors, name, actor_class, list(allocation.slots),
-                                    allocation.group)
-            self.faults.track(name, await mesh_name(actors), allocation.host_pids())
-            self._watch_procs()
-            if tenant and allocation.timeshared:
-                if _preemptible(actor_class):  # see colocate.arbiter.preempt
-                    preempters = allocation.procs.spawn(f"{name}_preempt", Preempter)
-                await self.switchboard.register(name, actors, allocation, preempters)
-                self._tenant_actors[name] = (actors, allocation.procs_per_host)
-        except BaseException:
-            if preempters is not None:
-                await stop_actors(f"{name}_preempt", preempters, 5.0)
-            await self._undo_spawn(name, actors, allocation)
-            raise
-        return actors
-
-    async def _undo_spawn(self, name: str, actors: Any, allocation: Allocation,
-                          grace_s: float = 5.0) -> None:
-        """Forget a spawn that failed: its tenancy, its name, its actors, its allocation.
-        Faults its mesh reports later are ignored (its mesh is no longer tracked)."""
-        self._forget(name)
-        self._watch_procs()
-        await stop_actors(name, actors, grace_s)
-        self._give_back(allocation)
-
+    @documented_by(Spawns.remove)
     async def remove(self, name: str, actors: Any, grace_s: float = 5.0,
                      stop: bool = True) -> None:
-        """Stop spawned actors (unless they died, or `stop` is False: their procs are about
-        to be stopped) and forget them; their procs stay. A stop that does not end within
-        `grace_s` (its proc died unseen) is left behind."""
-        preempters = self.switchboard.preempters.actors.get(name)
-        await self.switchboard.unregister(name)
-        failed = self.faults.has_failed(name)
-        self._forget(name)
-        self._watch_procs()
-        if stop and not failed:
-            if preempters is not None:
-                await stop_actors(f"{name}_preempt", preempters, grace_s)
-            await stop_actors(name, actors, grace_s)
+        await self.spawns.remove(name, actors, grace_s, stop)
 
-    def _forget(self, name: str) -> None:
-        """Forget spawn `name` here, the one place that does: its tenancy in the view, its
-        actors, its faults (the arbiters' side is `Switchboard.unregister`'s)."""
-        self.switchboard.forget(name)
-        self._tenant_actors.pop(name, None)
-        self.faults.forget(name)
-
-    def _watch_procs(self) -> None:
-        """Have the arbiters watch the procs that run spawns now."""
-        if self.proc_watch is not None:
-            self.proc_watch.watch(self.faults.watched())
+    @property
+    def proc_watch(self) -> ProcWatchClient | None:
+        """The always-on watch of the procs that run spawns (None before `start`)."""
+        return self.spawns.proc_watch
 
     async def start(self) -> None:
         """Start the hosts' arbiters, then their watch on the procs."""
         await self.switchboard.start(self.job.mesh, self.gpus_per_host)
-        self.proc_watch = ProcWatchClient(self.switchboard.arbiter, self.job.num_hosts,
-                                          self._procs_died)
-        self.proc_watch.start()
-
-    def _procs_died(self, host: int, pids: list[int]) -> None:
-        """The proc watch of `host` found `pids` dead: their spawns failed."""
-        self.faults.died(host, pids, "its proc, pid {pid}, died (found by the proc watch "
-                                     f"of host {host})")
+        self.spawns.start_proc_watch(self.job.num_hosts)
 
     # -- switches ----------------------------------------------------------------------
 
@@ -336,28 +253,10 @@ class ResourceManager:
     async def traffic(self) -> dict[int, dict[int, SlotTraffic]]:
         return await self.switchboard.traffic()
 
+    @documented_by(Spawns.usage)
     async def usage(self, timeout_s: float = 10.0
                     ) -> dict[int, dict[int, dict[str, TenantInfo | None]]]:
-        """host -> slot -> tenant -> its `TenantInfo` now: `resident_bytes` (held now),
-        `tagged_bytes` (held when fully awake), `awake_stages`, pid, device. Each tenant
-        answers for itself on each of its procs, from here; a proc that died, or does not
-        answer within `timeout_s`, reads None (the tenant's other procs still answer)."""
-
-        async def ask(proc: Any) -> TenantInfo | None:
-            try:
-                return await asyncio.wait_for(proc.describe.call_one(), timeout_s)
-            except Exception:
-                return None
-
-        asked = [(name, host, slot, ask(rank_of(actors, rank, per_host)))
-                 for name, (actors, per_host) in self._tenant_actors.items()
-                 if self.view.is_tenant(name)
-                 for rank, (host, slot) in enumerate(self.slots_of(name))]
-        answers = await asyncio.gather(*(question for *_, question in asked))
-        usage: dict[int, dict[int, dict[str, TenantInfo | None]]] = {}
-        for (name, host, slot, _), info in zip(asked, answers, strict=True):
-            usage.setdefault(host, {}).setdefault(slot, {})[name] = info
-        return usage
+        return await self.spawns.usage(timeout_s)
 
     # -- teardown --------------------------------------------------------------------
 
@@ -365,14 +264,12 @@ class ResourceManager:
         """Stop the group's procs and give its GPUs back; its tenants are forgotten (no
         longer routable, their names free again)."""
         released = await self.groups.release(group, grace_s)
-        for name in self.switchboard.forget_slots(released.slots()):
-            self._forget(name)
-        self._watch_procs()
+        self.spawns.forget_on(released.slots())
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """End what is under way, then stop every group, the arbiters and the hosts.
 
-        Switches under way end with `SwitchAbortedError`; the watchers (services) are
+        Switches under way end with `SwitchAbortedError`; the listeners (services) are
         closed: calls waiting for a replica end at once, calls in flight get `grace_s` to
         finish, then end with an error. Procs are stopped gracefully, then by force."""
         self.switchboard.abort()
@@ -387,11 +284,6 @@ class ResourceManager:
         if _current is self:
             _current = None
         await asyncio.to_thread(self.job.stop, grace_s)
-
-
-def _preemptible(actor_class: type) -> bool:
-    """Whether any endpoint of `actor_class` is declared `@preemptible`."""
-    return any(call_spec(actor_class, e).preemptible for e in endpoint_names(actor_class))
 
 
 _current: ResourceManager | None = None
