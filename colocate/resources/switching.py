@@ -3,10 +3,10 @@ through them.
 
 Every switch (wake, sleep, make room, a handoff) goes through `Switchboard`: it marks the
 tenants the switch may put to sleep as switching (`HostsView.awake_now` is False for
-them), lets its watchers (services) drain their calls in flight, asks each host's arbiter
+them), lets its listeners (services) drain their calls in flight, asks each host's arbiter
 in parallel, and records the hosts' answers in its `HostsView`. Under a policy that
 measures, a wake of some stages of a tenant (or a handoff to it) may put its others to
-sleep: it marks the tenant itself switching too. Watchers hear of each change of the view.
+sleep: it marks the tenant itself switching too. Listeners hear of each change of the view.
 Work that moves memory between tenants without an arbiter (an in-place copy,
 `resources.in_place`) holds them the same way (`run_held`), and their switches wait for
 it as the arbiter's slot lock makes its own switches wait.
