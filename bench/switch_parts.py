@@ -5,7 +5,7 @@ checks) and, in every process of the run, wraps the functions a switch passes th
 recording each call's wall start, wall seconds and CPU seconds of its thread
 (`time.thread_time`: what other jobs' load moves much less than wall time):
 
-- client: `Switchboard.wake` (the loop's `switch_s`), `Switchboard.handoffs` (its
+- client: `Switchboard.wake` (the loop's `switch_s`), `Handoffs.handoffs` (its
   `sync_s`), the drain of the services' calls in flight;
 - arbiter proc: `SlotArbiter.wake`/`handoff` (the request), `Courier._send` (the plan's
   round trip to the tenant proc);
@@ -68,7 +68,7 @@ ARBITER = [
 CLIENT = [
     ("colocate.resources.switching", "Switchboard._drain"),
     ("colocate.resources.switching", "Switchboard.wake"),
-    ("colocate.resources.switching", "Switchboard.handoffs"),
+    ("colocate.resources.handoff_client", "Handoffs.handoffs"),
 ]
 POLL_STEPS = 100
 PAGE = 4096

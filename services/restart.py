@@ -62,7 +62,7 @@ class GroupMember(Protocol):
 
     def end_hold(self, failure: str | None = None, actors_gone: bool = False) -> None: ...
 
-    def keep(self, task: asyncio.Task) -> None: ...
+    def track(self, task: asyncio.Task) -> None: ...
 
     async def start_generation(self, replica: Replica, allocation: Allocation) -> None: ...
 
@@ -134,7 +134,7 @@ class GroupRestarts:
             service.hold(f"its resource group {self.group!r} restarts after: {cause}")
         self.task = asyncio.ensure_future(self._restart(services, cause, detected, wall))
         for service in services:  # a shutdown cancels or awaits it
-            service.keep(self.task)
+            service.track(self.task)
         self.task.add_done_callback(self._next)
 
     def _next(self, _: asyncio.Task) -> None:

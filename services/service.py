@@ -19,7 +19,7 @@ loop syncs the trainer's weights into it there, so no call meets stale weights).
 
 Waits (for an awake replica, for calls in flight to finish before a switch) sleep on the
 service's `Changes` and wake when something they wait for may have changed: a switch ended
-(the resource manager tells its `Watcher`), a call finished, a replica changed state.
+(the resource manager tells its `Listener`), a call finished, a replica changed state.
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ from colocate.calls import call_spec
 from colocate.memory import SlotOutOfMemoryError, TagPausedError
 from colocate.monarch_compat import endpoint_names
 from colocate.resources.groups import Allocation
+from colocate.resources.listener import Listener
 from colocate.resources.manager import ResourceManager
 from colocate.resources.packing import ResourceRequest
-from colocate.resources.watcher import Watcher
-from services import room
 from services.autoscaler import Autoscaler, LoadSnapshot, ReplicaLoad
 from services.config import ServiceConfig
 from services.distributed import setup_distributed
 from services.endpoint import ServiceEndpoint, endpoint_error
 from services.errors import ReplicaHungError, ServiceClosedError, ServiceUnavailableError
+from services.out_of_memory import make_room, refused
 from services.picking import Picking
 from services.replica import Replica, ReplicaState, ReplicaStateError, tenant_name
 from services.restart import GroupRestarts
@@ -81,10 +81,10 @@ class Service(Picking, Generic[A]):
         self.held: str | None = None  # why routed calls wait: its group restarts
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()  # the client's Monarch context
-        self._watcher = Watcher(drain=self._drain, changed=self._changes.notify,
-                                failed=self._on_failure, close=self._close_with_runtime)
+        self._listener = Listener(drain=self._drain, changed=self._changes.notify,
+                                  failed=self._on_failure, close=self._close_with_runtime)
         restarts.join(self)  # refused when the group's services restart otherwise
-        rm.watch(self._watcher)
+        rm.listen(self._listener)
 
     def __getattr__(self, name: str) -> ServiceEndpoint[..., Any]:
         """`svc.<endpoint>`; typed from `A`'s endpoint by the mypy plugin
@@ -125,12 +125,12 @@ class Service(Picking, Generic[A]):
             except ActorError as err:
                 if isinstance(err.exception, TagPausedError):
                     continue  # put to sleep under us: not a failure; route again
-                if isinstance(err.exception, SlotOutOfMemoryError):  # services.room
+                if isinstance(err.exception, SlotOutOfMemoryError):  # services.out_of_memory
                     if room_made:
-                        raise room.refused(self.name, replica.tenant, err.exception,
-                                           "refused again after room was made") from None
+                        raise refused(self.name, replica.tenant, err.exception,
+                                      "refused again after room was made") from None
                     room_made = True
-                    await room.make_room(self.rm, self.name, replica.tenant, err.exception)
+                    await make_room(self.rm, self.name, replica.tenant, err.exception)
                     continue
                 if not _is_fault(err):
                     raise err.exception from None  # the endpoint's own error: the caller's
@@ -199,7 +199,7 @@ class Service(Picking, Generic[A]):
                                      f"({replica.tenant}): {replica.failure}")
                 return
             replica.move(ReplicaState.RECOVERING)
-            self.keep(asyncio.ensure_future(self._respawn(replica)))
+            self.track(asyncio.ensure_future(self._respawn(replica)))
 
     def hold(self, why: str) -> None:
         """Its group restarts: every replica counts as failed and recovering (calls in
@@ -225,7 +225,7 @@ class Service(Picking, Generic[A]):
         self.held = None
         self._changes.notify()
 
-    def keep(self, task: asyncio.Task) -> None:
+    def track(self, task: asyncio.Task) -> None:
         """Track `task` (a respawn, or its group's restart) until it ends: a shutdown
         cancels or awaits it."""
         self._tasks.add(task)
@@ -373,7 +373,7 @@ class Service(Picking, Generic[A]):
                 replica.move(ReplicaState.DRAINING)
             if replica.state in (ReplicaState.DRAINING, ReplicaState.FAILED):
                 replica.move(ReplicaState.STOPPED, replica.failure)
-        self._stop_watching()
+        self._stop_listening()
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Take no new calls, let the ones in flight finish (those still running after
@@ -384,12 +384,12 @@ class Service(Picking, Generic[A]):
         for replica in self.replicas:
             if replica.state is not ReplicaState.STOPPED:
                 await self.remove_replica(replica, grace_s)
-        self._stop_watching()
+        self._stop_listening()
 
-    def _stop_watching(self) -> None:
+    def _stop_listening(self) -> None:
         """Take no more news of switches and faults from the resource manager (the service
         is closed)."""
-        self.rm.unwatch(self._watcher)
+        self.rm.unlisten(self._listener)
 
 
 def _is_fault(err: ActorError) -> bool:

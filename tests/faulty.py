@@ -62,6 +62,7 @@ class FaultyTenant(TenantActor):
         self.buckets = buckets
         self.plan: tuple[str, str, float] | None = None  # (step, fault, hang_s)
         self.ballast: torch.Tensor | None = None
+        self.ballasts = 0  # how many were held so far: a late drop is of its own only
         self.lock = threading.Lock()
         self.served = {"awake": 0, "asleep": 0}
         _LIVE[self.tenant_name] = self
@@ -114,14 +115,17 @@ class FaultyTenant(TenantActor):
         self.plan = None
         with self.lock:
             self.ballast = torch.ones(nbytes // 4, dtype=torch.int32)
+            self.ballasts += 1
         if fault == "kill":
             threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        elif fault == "hang":
-            threading.Timer(hang_s, self._drop_ballast).start()
+        elif fault == "hang":  # this ballast only: a later row's may be held by then
+            threading.Timer(hang_s, self._drop_ballast, (self.ballasts,)).start()
 
-    def _drop_ballast(self) -> None:
+    def _drop_ballast(self, only: int | None = None) -> None:
+        """Drop the ballast held (with `only`: if it is still the `only`-th one held)."""
         with self.lock:
-            self.ballast = None
+            if only is None or self.ballasts == only:
+                self.ballast = None
 
     @endpoint
     def wake(self, stages: list[str]) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 
 from colocate import memory
-from colocate.engines.checkpoint import (
+from colocate.engines.checkpoint_files import (
     CheckpointNotFoundError,
     CheckpointWriteError,
     CorruptCheckpointError,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from colocate.engines.checkpoint import IncompleteCheckpointError
+from colocate.engines.checkpoint_files import IncompleteCheckpointError
 from colocate.engines.export import write_hf_model
 from colocate.engines.generator import TorchGenerator
 from colocate.engines.models import load_model

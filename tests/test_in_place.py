@@ -18,7 +18,7 @@ from colocate import ArbiterConfig, phase
 from colocate.arbiter import TenantLostError
 from colocate.engines.actors import GeneratorActor, TrainerActor
 from colocate.engines.tiny import write_tiny_model
-from colocate.resources.handoffs import InPlaceCopies
+from colocate.resources.switching import InPlaceCopies
 from colocate.testing import start_runtime
 from services import ServiceConfig, spawn_service, sync_weights
 

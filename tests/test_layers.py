@@ -120,7 +120,7 @@ COLOCATE_LAYERS = (
     ("colocate.telemetry",),
 )
 COLOCATE_BASE = ("colocate.calls", "colocate.checks", "colocate.monarch_compat",
-                 "colocate.abortable", "colocate.loading")
+                 "colocate.abortable", "colocate.loading", "colocate.watching")
 
 
 def colocate_layer(module: str) -> int | None:

@@ -38,9 +38,9 @@ async def test_grpo_beats_the_untrained_policy_and_writes_plots(tmp_path, monkey
 
     async def watched_score(self, where, *args):
         if where.startswith("step"):  # the trainer's wake is under way by now (switch_ahead_s)
-            board = loop.runtime.rm.switchboard
+            view = loop.runtime.rm.view
             generator_awake_while_scoring.append(
-                any(board.awake_now(r.tenant) for r in loop.generator.replicas))
+                any(view.awake_now(r.tenant) for r in loop.generator.replicas))
         return await score(self, where, *args)
 
     monkeypatch.setattr(DigitTask, "score", watched_score)

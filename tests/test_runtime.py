@@ -12,10 +12,10 @@ import pytest
 from monarch.actor import ActorError
 
 from colocate.arbiter import SwitchError
+from colocate.resources.listener import Listener
 from colocate.resources.packing import ResourceError, ResourceRequest, ResourceValueError
 from colocate.resources.procs import ProcProbe
 from colocate.resources.start import init
-from colocate.resources.watcher import Watcher
 from colocate.testing import FailingSleepTenant, MemoryTenant, start_runtime
 
 MiB = 1 << 20
@@ -93,13 +93,13 @@ async def test_the_managers_view_follows_each_switch_and_skips_needless_ones():
         async def record(touched: set[str]) -> None:
             drained.append(set(touched))
 
-        rm.watch(Watcher(drain=record))
+        rm.listen(Listener(drain=record))
         for step, name in enumerate(["a", "b", "b", "a", "sleep a", "a", "a"]):
             if name == "sleep a":
                 await rm.sleep("a")
             else:
                 await rm.wake(name)
-            assert rm.switchboard.host_status == await rm.status(), step  # answers kept it
+            assert rm.view.host_status == await rm.status(), step  # answers kept it
             assert rm.awake_tenants() == [n for n in "ab" if n == name], step
         # a wake of an awake tenant makes no switch; a sleep of a touches a, a wake of a b
         assert drained == [{"a"}, {"b"}, {"a"}, {"b"}]

@@ -12,8 +12,8 @@ from monarch.actor import endpoint
 from colocate import needs, phase
 from colocate.arbiter import TenantLostError
 from colocate.resources.groups import Allocation
+from colocate.resources.listener import Listener
 from colocate.resources.packing import ResourceRequest
-from colocate.resources.watcher import Watcher
 from colocate.testing import MemoryTenant, start_runtime
 from services import (
     ServiceAsleepError,
@@ -206,7 +206,7 @@ async def test_a_session_is_a_block_per_service_and_per_task():
 async def test_a_killed_replica_loses_no_request_and_comes_back():
     async with start_runtime(gpus_per_host=2) as rm:
         supervised: list[str] = []
-        rm.watch(Watcher(failed=lambda name, why: supervised.append(name)))
+        rm.listen(Listener(failed=lambda name, why: supervised.append(name)))
         generator = await spawn_service(
             ServiceConfig(num_replicas=2, procs_per_host=1, resource_group="gen",
                           router="round_robin"), MemoryTenant, 8, 2, name="generator")

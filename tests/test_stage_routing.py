@@ -15,7 +15,7 @@ import pytest
 from colocate import ArbiterConfig, phase
 from colocate.arbiter.host import HostView
 from colocate.memory.traffic import Traffic
-from colocate.resources.switching import Switchboard
+from colocate.resources.hosts_view import HostsView
 from colocate.testing import DeclaredTenant, MemoryTenant, start_runtime
 from services import ServiceAsleepError, ServiceConfig, spawn_service
 
@@ -51,41 +51,43 @@ async def moved(rm):
 
 
 def test_the_view_keeps_each_tenants_stages_awake_on_all_its_slots():
-    board = Switchboard(ArbiterConfig(), on_lost=lambda names, why: None)
-    board.tenants = {"gen": [(0, 0), (0, 1)]}
-    board.stages = {"gen": ("weights", "kv_cache")}
-    board.host_status = {0: {0: {"gen": ["weights", "kv_cache"]}, 1: {"gen": ["weights"]}}}
-    board._update_awake()
-    assert board.awake_now("gen", ("weights",)) and not board.awake_now("gen")
-    assert not board.awake_now("gen", ("kv_cache",)) and board.awake_tenants() == []
+    view = HostsView(measures=False)
+    view.tenants = {"gen": [(0, 0), (0, 1)]}
+    view.stages = {"gen": ("weights", "kv_cache")}
+
+    def answer(seq: int, second: list[str] | None) -> None:
+        view.record({0: HostView({0: {"gen": ["weights", "kv_cache"]}, 1: {"gen": second}},
+                                 frozenset(), {}, seq=seq)})
+
+    answer(1, ["weights"])
+    assert view.awake_now("gen", ("weights",)) and not view.awake_now("gen")
+    assert not view.awake_now("gen", ("kv_cache",)) and view.awake_tenants() == []
     # what a call needs of it: its own stages among those declared, in its wake order
-    assert board.needed("gen", ("kv_cache", "weights", "optimizer")) == ("weights", "kv_cache")
-    assert board.needed("gen", None) == ("weights", "kv_cache")
-    board.host_status[0][1]["gen"] = None  # unknown after a failed rollback: nothing awake
-    board._update_awake()
-    assert not board.awake_now("gen", ("weights",)) and board.awake_now("gen", ())
-    board.host_status[0][1]["gen"] = ["weights", "kv_cache"]
-    board._update_awake()
-    assert board.awake_tenants() == ["gen"]
-    board._switching["gen"] += 1  # a switch in flight may put it to sleep
-    assert not board.awake_now("gen", ("weights",))
+    assert view.needed("gen", ("kv_cache", "weights", "optimizer")) == ("weights", "kv_cache")
+    assert view.needed("gen", None) == ("weights", "kv_cache")
+    answer(2, None)  # unknown after a failed rollback: nothing awake
+    assert not view.awake_now("gen", ("weights",)) and view.awake_now("gen", ())
+    answer(3, ["weights", "kv_cache"])
+    assert view.awake_tenants() == ["gen"]
+    view.switching["gen"] += 1  # a switch in flight may put it to sleep
+    assert not view.awake_now("gen", ("weights",))
 
 
 def test_a_view_older_than_the_one_kept_is_dropped():
     """Switches on other slots of a host run concurrently in its arbiter: the answer of
     one taken earlier may arrive after the answer of one taken later (kept, the stale view
     would say a tenant awake that had slept: its wake skipped, its call failing)."""
-    board = Switchboard(ArbiterConfig(), on_lost=lambda names, why: None)
-    board.tenants = {"a": [(0, 0)], "b": [(0, 1)]}
-    board.stages = {"a": ("weights",), "b": ("weights",)}
+    view = HostsView(measures=True)
+    view.tenants = {"a": [(0, 0)], "b": [(0, 1)]}
+    view.stages = {"a": ("weights",), "b": ("weights",)}
     older = HostView({0: {"a": ["weights"]}, 1: {"b": []}}, frozenset(), {0: "a"}, seq=4)
     newer = HostView({0: {"a": []}, 1: {"b": ["weights"]}}, frozenset(), {1: "b"}, seq=5)
-    board._keep({0: newer})
-    board._keep({0: older})
-    assert board.awake_tenants() == ["b"] and not board.awake_now("a")
-    assert board.holders == {(0, 1): "b"}  # who holds a slot's working memory: the same
-    board._keep({0: HostView({0: {"a": ["weights"]}, 1: {"b": []}}, frozenset(), {}, seq=6)})
-    assert board.awake_tenants() == ["a"]
+    view.record({0: newer})
+    view.record({0: older})
+    assert view.awake_tenants() == ["b"] and not view.awake_now("a")
+    assert view.holders == {(0, 1): "b"}  # who holds a slot's working memory: the same
+    view.record({0: HostView({0: {"a": ["weights"]}, 1: {"b": []}}, frozenset(), {}, seq=6)})
+    assert view.awake_tenants() == ["a"]
 
 
 async def test_a_call_goes_where_its_stages_are_awake_while_another_stage_sleeps():

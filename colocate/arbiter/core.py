@@ -22,7 +22,7 @@ from colocate.arbiter.config import ArbiterConfig, ArbiterConfigError
 from colocate.arbiter.delivery import AFTER_LOSS, Courier, find_lost, watched
 from colocate.arbiter.errors import ArbiterError, SwitchError, TenantLostError
 from colocate.arbiter.explain import Explain, PlanFailed, raise_errors, step_error, switch_error
-from colocate.arbiter.handoff import handoff_error, handoff_steps
+from colocate.arbiter.handoff_plan import handoff_error, handoff_steps
 from colocate.arbiter.plan import RECEIVE, SLEEP, WAKE, PlanResult, Step
 from colocate.arbiter.slot import Slot, SlotTraffic, holding
 from colocate.arbiter.tenant import TenantHandle, TenantInfo

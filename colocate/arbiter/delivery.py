@@ -32,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-from colocate import memory, telemetry
+from colocate import memory, telemetry, watching
 from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.errors import ArbiterTimeoutError, TenantLostError
 from colocate.arbiter.plan import (
@@ -83,24 +83,23 @@ def kill_hung(slot: Slot, pid: int, during: str, timeout_s: float) -> TenantLost
 async def watched(timeout_s: float, what: str | Callable[[], str], call: Awaitable[T],
                   slot: Slot | None = None, name: str | None = None) -> T:
     """`call`'s answer within `timeout_s`. For a call to tenant `name` of `slot`, the
-    tenant's proc is watched meanwhile: if it dies, its tenants are lost at once. `what`
-    names the call in errors (a function: asked when an error needs it)."""
-    task = asyncio.ensure_future(call)
+    tenant's proc is watched meanwhile (`colocate.watching`): if it dies, its tenants are
+    lost at once. `what` names the call in errors (a function: asked when an error needs
+    it)."""
     pid = slot.infos[name].pid if slot is not None and name is not None else None
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not task.done():
-            if pid is not None and slot is not None and not telemetry.process_runs(pid):
-                raise lose(slot, pid, what() if callable(what) else what)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ArbiterTimeoutError(f"{what() if callable(what) else what} did not "
-                                          f"answer within {timeout_s} s")
-            await asyncio.wait({task}, timeout=min(left, LIVENESS_POLL_S))
-        return task.result()
-    finally:
-        if not task.done():
-            task.cancel()
+
+    def said() -> str:
+        return what() if callable(what) else what
+
+    async def check() -> None:
+        if pid is not None and slot is not None and not telemetry.process_runs(pid):
+            raise lose(slot, pid, said())
+
+    async def late() -> BaseException:
+        return ArbiterTimeoutError(f"{said()} did not answer within {timeout_s} s")
+
+    return await watching.watched(call, LIVENESS_POLL_S, check, timeout_s, late,
+                                  check_first=True)
 
 
 def reading(slot: Slot, name: str, during: str) -> telemetry.MemoryReading:

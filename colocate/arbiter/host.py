@@ -17,8 +17,8 @@ from colocate.arbiter import room
 from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.core import SlotArbiter
 from colocate.arbiter.errors import ArbiterError
-from colocate.arbiter.pid_watch import PidWatch
 from colocate.arbiter.plan import Plan, PlanResult
+from colocate.arbiter.proc_watch import PidWatch
 from colocate.arbiter.slot import SlotTraffic
 from colocate.arbiter.tenant import TenantInfo
 
@@ -92,7 +92,7 @@ class Arbiter(Actor):
     Endpoints run concurrently; the per-slot locks inside serialize what conflicts. A switch
     answers with the host's view after it (`HostView`): the caller needs no second call.
     It also watches the host's slot procs, switch or not (`watch_pids`, `next_dead`: see
-    `pid_watch`).
+    `proc_watch`).
     """
 
     def __init__(self, slots: list[int], config: ArbiterConfig | None = None) -> None:

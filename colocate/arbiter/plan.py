@@ -1,6 +1,6 @@
 """A switch as a plan: the steps one proc carries out for the arbiter, and how it runs them.
 
-The arbiter decides a switch's steps per slot (core.py, handoff.py); each proc receives
+The arbiter decides a switch's steps per slot (core.py, handoff_plan.py); each proc receives
 the steps of its own tenants in one message (`Plan`), carries them out in order against
 the tenants of its process (colocated tenants share it), measures each release itself
 (its RSS on CPU, its share of the GPU by NVML), and answers once (`PlanResult`: how far it

@@ -57,20 +57,16 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from colocate import memory
-from colocate.engines.checkpoint_files import (  # noqa: F401  (this module's surface)
+from colocate.engines.checkpoint_files import (
     FORMAT,
     FRAME,
     INFO,
     METADATA,
     READ_ERRORS,
-    CheckpointError,
-    CheckpointNotFoundError,
     CheckpointWriteError,
     CorruptCheckpointError,
-    IncompleteCheckpointError,
-    ModelMismatchError,
     check_same_model,
-    is_complete,
+    is_complete,  # noqa: F401  (examples/rl_loop)
     one_line,
     read_info,
     swap_into_place,

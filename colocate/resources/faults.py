@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from colocate.arbiter.errors import ArbiterError
-from colocate.resources.watcher import Watcher
+from colocate.resources.listener import Listener
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class Faults:
     """Which spawned actor meshes exist (by spawn name) and which of them failed."""
 
     def __init__(self) -> None:
-        self.listeners: list[Watcher] = []  # failed
+        self.listeners: list[Listener] = []  # failed
         self._names: dict[str, str | None] = {}  # spawn name -> Monarch's full mesh name
         self._meshes: dict[str, str] = {}  # Monarch's full mesh name -> spawn name
         self._failed: dict[str, str] = {}  # spawn name -> why

@@ -7,42 +7,44 @@
                                await rm.allocate(ResourceRequest("rl", 2, 2), owner="gen"))
     await rm.wake("generator")     # the trainer sleeps on every slot first, verified
 
-The manager puts together three parts, each with one job: `groups.Groups` (resource groups
-and allocations: which procs each owner gets), `switching.Switchboard` (the per-host
-arbiters, the tenants registered with them, the switch protocol and its view of who is
-awake) and `faults.Faults` (which spawned actor meshes died). Its own job is the life of
-what it spawns: a spawn is checked, tracked and registered with the arbiters, or undone
-whole; a removal undoes all three. Clients (services) use its methods, and hear of
-switches and faults through a `Watcher`. Faults are seen early: an always-on `ProcWatch`
-has each host's arbiter poll the pids of the procs that run spawns. A group's procs can be
-replaced whole (`restart_group`, then `reallocate`), for clients that restart a group.
+The manager puts together the parts, each with one job: `groups.Groups` (resource groups
+and allocations: which procs each owner gets), `spawning.Spawns` (the life of what it
+spawns: checked, tracked and registered with the arbiters, or undone whole; a removal
+undoes all three), `switching.Switchboard` (the per-host arbiters and the switch
+protocol), its `hosts_view.HostsView` (the tenants registered and who is awake),
+`handoff_client.Handoffs` (passing weights between tenants, staged or in place) and
+`faults.Faults` (which spawned actor meshes died). Its own job is the runtime's face:
+clients (services) use its methods, and hear of switches and faults through a
+`Listener`; whether a tenant is ready for a call is decided here, once. Faults are seen
+early: an always-on proc watch (`ProcWatchClient`) has each host's arbiter poll the pids
+of the procs that run spawns. A group's procs can be replaced whole (`restart_group`,
+then `reallocate`), for clients that restart a group.
 Without GPUs, `gpus_per_host` virtual slots (plain CPU procs) stand in for them.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 from monarch.actor import Actor
 
-from colocate.arbiter.actor import Preempter, TenantActor
 from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.host import HostStatus
+from colocate.arbiter.proc_watch import ProcWatchClient
 from colocate.arbiter.slot import SlotTraffic
 from colocate.arbiter.tenant import TenantInfo
-from colocate.calls import call_spec
-from colocate.monarch_compat import endpoint_names, mesh_name
 from colocate.resources.faults import Faults
 from colocate.resources.groups import Allocation, Group, Groups
+from colocate.resources.handoff_client import Handoffs
 from colocate.resources.hosts import HostJob
+from colocate.resources.hosts_view import HostsView
+from colocate.resources.in_place import InPlaceCopier
+from colocate.resources.listener import Listener
 from colocate.resources.packing import Inventory, ResourceError, ResourceRequest
-from colocate.resources.proc_watch import ProcWatch
-from colocate.resources.procs import rank_of
-from colocate.resources.spawning import check_importable, check_started, stop_actors
+from colocate.resources.spawning import Spawns
 from colocate.resources.switching import Switchboard
-from colocate.resources.watcher import Watcher
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,10 +67,11 @@ class ResourceManager:
         self.groups = Groups(job.mesh, Inventory(job.num_hosts, gpus_per_host), virtual)
         self.faults = Faults()
         self.switchboard = Switchboard(arbiter_config, on_lost=self.faults.lost)
-        self.proc_watch: ProcWatch | None = None  # started with the arbiters
-        self.watchers: list[Watcher] = []
-        # name -> its actor mesh and procs per host, for usage()
-        self._tenant_actors: dict[str, tuple[Any, int]] = {}
+        self.view: HostsView = self.switchboard.view
+        self._handoffs = Handoffs(self.view, self.switchboard, InPlaceCopier(
+            self.view, self.switchboard, arbiter_config))
+        self.spawns = Spawns(self.groups, self.faults, self.switchboard)
+        self.listeners: list[Listener] = []
 
     @property
     def num_hosts(self) -> int:
@@ -84,18 +87,18 @@ class ResourceManager:
         look inside them: bench/switch_parts.py times functions there)."""
         return self.switchboard.arbiter_procs
 
-    def watch(self, watcher: Watcher) -> None:
-        """Tell `watcher` of switches, faults and the shutdown from now on (each part
-        calls what is its own: see `colocate.resources.watcher`)."""
-        self.watchers.append(watcher)
-        self.switchboard.watchers.append(watcher)
-        self.faults.listeners.append(watcher)
+    def listen(self, listener: Listener) -> None:
+        """Tell `listener` of switches, faults and the shutdown from now on (each part
+        calls what is its own: see `colocate.resources.listener`)."""
+        self.listeners.append(listener)
+        self.switchboard.listeners.append(listener)
+        self.faults.listeners.append(listener)
 
-    def unwatch(self, watcher: Watcher) -> None:
-        """Stop telling `watcher` (a watcher not watching is left as it is)."""
-        for watchers in (self.watchers, self.switchboard.watchers, self.faults.listeners):
-            if watcher in watchers:
-                watchers.remove(watcher)
+    def unlisten(self, listener: Listener) -> None:
+        """Stop telling `listener` (one not listening is left as it is)."""
+        for listeners in (self.listeners, self.switchboard.listeners, self.faults.listeners):
+            if listener in listeners:
+                listeners.remove(listener)
 
     # -- groups and allocations ---------------------------------------------------------
 
@@ -125,15 +128,11 @@ class ResourceManager:
     async def restart_group(self, name: str, grace_s: float = 5.0) -> Group:
         """New procs for every slot of group `name` (same hosts, slots and GPUs), the old
         ones killed. What still runs there is lost: remove your spawns first (`remove(...,
-        stop=False)`); spawns left on the old procs are failed (their watchers hear it)
+        stop=False)`); spawns left on the old procs are failed (their listeners hear it)
         and forgotten. The owners keep their slots: `reallocate` gives each allocation's
         cells on the new procs, so owners that shared a process share one again."""
-        left = self.faults.on_procs(self.groups.get(name).host_pids())
-        self.faults.lost(left, f"its resource group {name!r} was restarted")
-        for spawn in left:
-            await self.switchboard.unregister(spawn)
-            self._forget(spawn)
-        self._watch_procs()
+        await self.spawns.lose(self.faults.on_procs(self.groups.get(name).host_pids()),
+                               f"its resource group {name!r} was restarted")
         group, _ = await self.groups.restart(name, grace_s)
         return group
 
@@ -141,101 +140,27 @@ class ResourceManager:
         """The cells of `allocation` on its group's procs now (after `restart_group`)."""
         return self.groups.reslice(allocation)
 
-    def _give_back(self, allocation: Allocation) -> None:
-        """`free` an allocation of the group's own procs; one on replacement procs stands
-        for slots its owner still holds through its first allocation, so those stay."""
-        if not allocation.replacement:
-            self.groups.free(allocation)
-
     # -- spawned actors --------------------------------------------------------------
 
+    @documented_by(Spawns.spawn)
     async def spawn(self, name: str, actor_class: type[Actor], allocation: Allocation,
                     *args: Any, **kwargs: Any) -> Any:
-        """Spawn `actor_class` on the allocation's procs. A `TenantActor` on time-shared procs
-        is registered with its hosts' arbiters (and put to sleep where another tenant is
-        awake); on procs of a group without GPUs it takes no slot and never sleeps.
+        return await self.spawns.spawn(name, actor_class, allocation, *args, **kwargs)
 
-        An actor that cannot start (its class does not import in the procs, a tenant's
-        `__init__` raises, its process dies) raises one `SpawnError` naming it and the
-        original exception; what the spawn made is undone (its actors stopped, the name
-        free again, the allocation given back), and the arbiters and the other tenants go
-        on. A tenant is asked from here whether it started before any arbiter calls it."""
-        self.faults.reserve(name)
-        try:
-            await check_importable(allocation.procs, name, actor_class,
-                                   list(allocation.slots), allocation.group)
-        except BaseException:
-            self._forget(name)
-            self._give_back(allocation)
-            raise
-        actors = allocation.procs.spawn(name, actor_class, *args, **kwargs)
-        preempters = None
-        try:
-            tenant = issubclass(actor_class, TenantActor)
-            if tenant:  # it checks its own start, time-shared or not
-                await check_started(actors, name, actor_class, list(allocation.slots),
-                                    allocation.group)
-            self.faults.track(name, await mesh_name(actors), allocation.host_pids())
-            self._watch_procs()
-            if tenant and allocation.timeshared:
-                if _preemptible(actor_class):  # see colocate.arbiter.preempt
-                    preempters = allocation.procs.spawn(f"{name}_preempt", Preempter)
-                await self.switchboard.register(name, actors, allocation, preempters)
-                self._tenant_actors[name] = (actors, allocation.procs_per_host)
-        except BaseException:
-            if preempters is not None:
-                await stop_actors(f"{name}_preempt", preempters, 5.0)
-            await self._undo_spawn(name, actors, allocation)
-            raise
-        return actors
-
-    async def _undo_spawn(self, name: str, actors: Any, allocation: Allocation,
-                          grace_s: float = 5.0) -> None:
-        """Forget a spawn that failed: its tenancy, its name, its actors, its allocation.
-        Faults its mesh reports later are ignored (its mesh is no longer tracked)."""
-        self._forget(name)
-        self._watch_procs()
-        await stop_actors(name, actors, grace_s)
-        self._give_back(allocation)
-
+    @documented_by(Spawns.remove)
     async def remove(self, name: str, actors: Any, grace_s: float = 5.0,
                      stop: bool = True) -> None:
-        """Stop spawned actors (unless they died, or `stop` is False: their procs are about
-        to be stopped) and forget them; their procs stay. A stop that does not end within
-        `grace_s` (its proc died unseen) is left behind."""
-        preempters = self.switchboard.preempters.actors.get(name)
-        await self.switchboard.unregister(name)
-        failed = self.faults.has_failed(name)
-        self._forget(name)
-        self._watch_procs()
-        if stop and not failed:
-            if preempters is not None:
-                await stop_actors(f"{name}_preempt", preempters, grace_s)
-            await stop_actors(name, actors, grace_s)
+        await self.spawns.remove(name, actors, grace_s, stop)
 
-    def _forget(self, name: str) -> None:
-        """Forget spawn `name` here, the one place that does: its tenancy in the view, its
-        actors, its faults (the arbiters' side is `Switchboard.unregister`'s)."""
-        self.switchboard.forget(name)
-        self._tenant_actors.pop(name, None)
-        self.faults.forget(name)
-
-    def _watch_procs(self) -> None:
-        """Have the arbiters watch the procs that run spawns now."""
-        if self.proc_watch is not None:
-            self.proc_watch.watch(self.faults.watched())
+    @property
+    def proc_watch(self) -> ProcWatchClient | None:
+        """The always-on watch of the procs that run spawns (None before `start`)."""
+        return self.spawns.proc_watch
 
     async def start(self) -> None:
         """Start the hosts' arbiters, then their watch on the procs."""
         await self.switchboard.start(self.job.mesh, self.gpus_per_host)
-        self.proc_watch = ProcWatch(self.switchboard.arbiter, self.job.num_hosts,
-                                    self._procs_died)
-        self.proc_watch.start()
-
-    def _procs_died(self, host: int, pids: list[int]) -> None:
-        """The proc watch of `host` found `pids` dead: their spawns failed."""
-        self.faults.died(host, pids, "its proc, pid {pid}, died (found by the proc watch "
-                                     f"of host {host})")
+        self.spawns.start_proc_watch(self.job.num_hosts)
 
     # -- switches ----------------------------------------------------------------------
 
@@ -254,8 +179,7 @@ class ResourceManager:
         the endpoint) instead of being waited for; other calls drain as ever. A tenant that
         does not honour it within `ArbiterConfig.preempt_timeout_s` fails the wake
         (`PreemptTimeoutError`, naming it) before anything moved."""
-        if self.switchboard.is_tenant(name) and self.faults.alive(name) \
-                and self.switchboard.awake_now(name, stages) and self.switchboard.holds(name):
+        if self.view.is_tenant(name) and self.view.holds(name) and self._ready(name, stages):
             return
         await self.switchboard.wake(name, stages, preempt)
 
@@ -263,8 +187,8 @@ class ResourceManager:
                        preempt: bool = False) -> None:
         """Wake what a call that needs `stages` (None: every stage) needs of `name`: those
         of its own stages (see `routable`); nothing when it has none of them."""
-        if stages is not None and self.switchboard.is_tenant(name):
-            stages = self.switchboard.needed(name, stages)
+        if stages is not None and self.view.is_tenant(name):
+            stages = self.view.needed(name, stages)
             if not stages:
                 return
         await self.wake(name, None if stages is None else list(stages), preempt)
@@ -286,32 +210,40 @@ class ResourceManager:
         """Pass `source`'s weights to `target` on every slot they share (see
         `SlotArbiter.handoff`: under the exclusive policy `source` ends asleep, under a
         budget it stays awake where it fits); returns the bytes copied on all slots."""
-        return (await self.switchboard.handoffs(source, [target], keep, first))[target]
+        return (await self._handoffs.handoffs(source, [target], keep, first))[target]
 
-    @documented_by(Switchboard.handoffs)
+    @documented_by(Handoffs.handoffs)
     async def handoffs(self, source: str, targets: Sequence[str]) -> dict[str, int]:
-        return await self.switchboard.handoffs(source, targets)
+        return await self._handoffs.handoffs(source, targets)
 
     def routable(self, name: str, stages: Sequence[str] | None = None) -> bool:
-        """Alive and, for a tenant, awake on all its slots with no switch in flight that may
-        put it to sleep: every stage, or those of `stages` it has (a call's needs; the
-        others are ignored). Actors that are not tenants never sleep."""
-        if not self.faults.alive(name):
-            return False
-        return not self.switchboard.is_tenant(name) or self.switchboard.awake_now(
-            name, self.switchboard.needed(name, stages))
+        """Ready for a call that needs `stages` (None: every stage; those it lacks are
+        ignored): see `_ready`."""
+        return self._ready(name, self.view.needed(name, stages))
+
+    def _ready(self, name: str, stages: Collection[str] | None) -> bool:
+        """Whether `name` is awake enough: alive and, for a tenant, `stages` (None: all
+        of its own) awake on all its slots with no switch in flight that may put them to
+        sleep. Actors that are not tenants never sleep. A call routes to a ready replica,
+        and a wake of a ready tenant that holds its slots' working memory is skipped."""
+        return self.faults.alive(name) and (not self.view.is_tenant(name)
+                                            or self.view.awake_now(name, stages))
+
+    @documented_by(HostsView.roomy_for)
+    def roomy_for(self, name: str) -> bool:
+        return self.view.roomy_for(name)
 
     @documented_by(Faults.why)
     def failure(self, name: str) -> str | None:
         return self.faults.why(name)
 
-    @documented_by(Switchboard.awake_tenants)
+    @documented_by(HostsView.awake_tenants)
     def awake_tenants(self) -> list[str]:
-        return self.switchboard.awake_tenants()
+        return self.view.awake_tenants()
 
-    @documented_by(Switchboard.slots_of)
+    @documented_by(HostsView.slots_of)
     def slots_of(self, name: str) -> list[tuple[int, int]]:
-        return self.switchboard.slots_of(name)
+        return self.view.slots_of(name)
 
     @documented_by(Switchboard.status)
     async def status(self) -> dict[int, HostStatus]:
@@ -321,28 +253,10 @@ class ResourceManager:
     async def traffic(self) -> dict[int, dict[int, SlotTraffic]]:
         return await self.switchboard.traffic()
 
+    @documented_by(Spawns.usage)
     async def usage(self, timeout_s: float = 10.0
                     ) -> dict[int, dict[int, dict[str, TenantInfo | None]]]:
-        """host -> slot -> tenant -> its `TenantInfo` now: `resident_bytes` (held now),
-        `tagged_bytes` (held when fully awake), `awake_stages`, pid, device. Each tenant
-        answers for itself on each of its procs, from here; a proc that died, or does not
-        answer within `timeout_s`, reads None (the tenant's other procs still answer)."""
-
-        async def ask(proc: Any) -> TenantInfo | None:
-            try:
-                return await asyncio.wait_for(proc.describe.call_one(), timeout_s)
-            except Exception:
-                return None
-
-        asked = [(name, host, slot, ask(rank_of(actors, rank, per_host)))
-                 for name, (actors, per_host) in self._tenant_actors.items()
-                 if self.switchboard.is_tenant(name)
-                 for rank, (host, slot) in enumerate(self.slots_of(name))]
-        answers = await asyncio.gather(*(question for *_, question in asked))
-        usage: dict[int, dict[int, dict[str, TenantInfo | None]]] = {}
-        for (name, host, slot, _), info in zip(asked, answers, strict=True):
-            usage.setdefault(host, {}).setdefault(slot, {})[name] = info
-        return usage
+        return await self.spawns.usage(timeout_s)
 
     # -- teardown --------------------------------------------------------------------
 
@@ -350,20 +264,18 @@ class ResourceManager:
         """Stop the group's procs and give its GPUs back; its tenants are forgotten (no
         longer routable, their names free again)."""
         released = await self.groups.release(group, grace_s)
-        for name in self.switchboard.forget_slots(released.slots()):
-            self._forget(name)
-        self._watch_procs()
+        self.spawns.forget_on(released.slots())
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """End what is under way, then stop every group, the arbiters and the hosts.
 
-        Switches under way end with `SwitchAbortedError`; the watchers (services) are
+        Switches under way end with `SwitchAbortedError`; the listeners (services) are
         closed: calls waiting for a replica end at once, calls in flight get `grace_s` to
         finish, then end with an error. Procs are stopped gracefully, then by force."""
         self.switchboard.abort()
         if self.proc_watch is not None:
             await self.proc_watch.stop()
-        await asyncio.gather(*(watcher.close(grace_s) for watcher in list(self.watchers)))
+        await asyncio.gather(*(listener.close(grace_s) for listener in list(self.listeners)))
         for group in list(self.groups.groups):
             await self.release(group, grace_s)
         await self.groups.stop_replacements(grace_s)
@@ -372,11 +284,6 @@ class ResourceManager:
         if _current is self:
             _current = None
         await asyncio.to_thread(self.job.stop, grace_s)
-
-
-def _preemptible(actor_class: type) -> bool:
-    """Whether any endpoint of `actor_class` is declared `@preemptible`."""
-    return any(call_spec(actor_class, e).preemptible for e in endpoint_names(actor_class))
 
 
 _current: ResourceManager | None = None

@@ -1,13 +1,16 @@
-"""Checks around a spawn, so that an actor that cannot start fails alone, with one error.
+"""Spawning actors on the runtime's procs, and their life until they are removed.
 
-Before the spawn, `check_importable` asks the procs to load the actor's class as Monarch
-will send it: a class whose module the procs cannot import would otherwise fail inside
-Monarch and leave the procs refusing every later spawn. After the spawn, `check_started`
-asks a tenant, from the client, whether its `__init__` succeeded, before any arbiter talks
-to it. Either failure raises `SpawnError`, naming the actor and carrying the original
-exception's type and message; `stop_actors` stops what such a spawn made.
+`Spawns` is the part of the resource manager that does it: a spawn is checked, tracked
+(its mesh's faults, its procs in the always-on proc watch) and, for a tenant on
+time-shared procs, registered with its hosts' arbiters, or undone whole; a removal undoes
+all three. The checks around a spawn make an actor that cannot start fail alone, with one
+error. Before the spawn, `check_importable` asks the procs to load the actor's class as
+Monarch will send it: a class whose module the procs cannot import would otherwise fail
+inside Monarch and leave the procs refusing every later spawn. After the spawn,
+`check_started` asks a tenant, from the client, whether its `__init__` succeeded, before
+any arbiter talks to it. Either failure raises `SpawnError`, naming the actor and carrying
+the original exception's type and message; `stop_actors` stops what such a spawn made.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +22,16 @@ from typing import Any
 
 import cloudpickle
 from monarch.actor import Actor, ActorError, endpoint
+
+from colocate.arbiter.actor import Preempter, TenantActor
+from colocate.arbiter.proc_watch import ProcWatchClient
+from colocate.arbiter.tenant import TenantInfo
+from colocate.calls import call_spec
+from colocate.monarch_compat import endpoint_names, mesh_name
+from colocate.resources.faults import Faults
+from colocate.resources.groups import Allocation, Groups
+from colocate.resources.procs import rank_of
+from colocate.resources.switching import Switchboard
 
 logger = logging.getLogger(__name__)
 
@@ -153,3 +166,148 @@ async def stop_actors(name: str, actors: Any, grace_s: float) -> None:
         logger.warning("the actors of %r did not stop within %s s (%s); left behind",
                        name, grace_s, str(err).splitlines()[0] if str(err) else
                        type(err).__name__)
+
+
+class Spawns:
+    """The actors spawned on the runtime's procs, from their spawn to their removal."""
+
+    def __init__(self, groups: Groups, faults: Faults, switchboard: Switchboard) -> None:
+        self.groups, self.faults, self.switchboard = groups, faults, switchboard
+        self.proc_watch: ProcWatchClient | None = None  # started with the arbiters
+        # name -> its actor mesh and procs per host, for usage()
+        self._tenant_actors: dict[str, tuple[Any, int]] = {}
+
+    def start_proc_watch(self, hosts: int) -> None:
+        """Have each of the `hosts`' arbiters watch the procs that run spawns from now on."""
+        self.proc_watch = ProcWatchClient(self.switchboard.arbiter, hosts, self._procs_died)
+        self.proc_watch.start()
+
+    def _procs_died(self, host: int, pids: list[int]) -> None:
+        """The proc watch of `host` found `pids` dead: their spawns failed."""
+        self.faults.died(host, pids, "its proc, pid {pid}, died (found by the proc watch "
+                                     f"of host {host})")
+
+    async def spawn(self, name: str, actor_class: type[Actor], allocation: Allocation,
+                    *args: Any, **kwargs: Any) -> Any:
+        """Spawn `actor_class` on the allocation's procs. A `TenantActor` on time-shared procs
+        is registered with its hosts' arbiters (and put to sleep where another tenant is
+        awake); on procs of a group without GPUs it takes no slot and never sleeps.
+
+        An actor that cannot start (its class does not import in the procs, a tenant's
+        `__init__` raises, its process dies) raises one `SpawnError` naming it and the
+        original exception; what the spawn made is undone (its actors stopped, the name
+        free again, the allocation given back), and the arbiters and the other tenants go
+        on. A tenant is asked from here whether it started before any arbiter calls it."""
+        self.faults.reserve(name)
+        try:
+            await check_importable(allocation.procs, name, actor_class,
+                                   list(allocation.slots), allocation.group)
+        except BaseException:
+            self.forget(name)
+            self._give_back(allocation)
+            raise
+        actors = allocation.procs.spawn(name, actor_class, *args, **kwargs)
+        preempters = None
+        try:
+            tenant = issubclass(actor_class, TenantActor)
+            if tenant:  # it checks its own start, time-shared or not
+                await check_started(actors, name, actor_class, list(allocation.slots),
+                                    allocation.group)
+            self.faults.track(name, await mesh_name(actors), allocation.host_pids())
+            self.watch_procs()
+            if tenant and allocation.timeshared:
+                if _preemptible(actor_class):  # see colocate.arbiter.preempt
+                    preempters = allocation.procs.spawn(f"{name}_preempt", Preempter)
+                await self.switchboard.register(name, actors, allocation, preempters)
+                self._tenant_actors[name] = (actors, allocation.procs_per_host)
+        except BaseException:
+            if preempters is not None:
+                await stop_actors(f"{name}_preempt", preempters, 5.0)
+            await self._undo_spawn(name, actors, allocation)
+            raise
+        return actors
+
+    async def _undo_spawn(self, name: str, actors: Any, allocation: Allocation,
+                          grace_s: float = 5.0) -> None:
+        """Forget a spawn that failed: its tenancy, its name, its actors, its allocation.
+        Faults its mesh reports later are ignored (its mesh is no longer tracked)."""
+        self.forget(name)
+        self.watch_procs()
+        await stop_actors(name, actors, grace_s)
+        self._give_back(allocation)
+
+    def _give_back(self, allocation: Allocation) -> None:
+        """`free` an allocation of the group's own procs; one on replacement procs stands
+        for slots its owner still holds through its first allocation, so those stay."""
+        if not allocation.replacement:
+            self.groups.free(allocation)
+
+    async def remove(self, name: str, actors: Any, grace_s: float = 5.0,
+                     stop: bool = True) -> None:
+        """Stop spawned actors (unless they died, or `stop` is False: their procs are about
+        to be stopped) and forget them; their procs stay. A stop that does not end within
+        `grace_s` (its proc died unseen) is left behind."""
+        preempters = self.switchboard.preempters.actors.get(name)
+        await self.switchboard.unregister(name)
+        failed = self.faults.has_failed(name)
+        self.forget(name)
+        self.watch_procs()
+        if stop and not failed:
+            if preempters is not None:
+                await stop_actors(f"{name}_preempt", preempters, grace_s)
+            await stop_actors(name, actors, grace_s)
+
+    async def lose(self, names: list[str], why: str) -> None:
+        """Fail spawns `names` (their procs are going) and forget them, arbiters included."""
+        self.faults.lost(names, why)
+        for name in names:
+            await self.switchboard.unregister(name)
+            self.forget(name)
+        self.watch_procs()
+
+    def forget_on(self, slots: set[tuple[int, int]]) -> None:
+        """Forget the spawns on `slots` (their procs were stopped)."""
+        for name in self.switchboard.forget_slots(slots):
+            self.forget(name)
+        self.watch_procs()
+
+    def forget(self, name: str) -> None:
+        """Forget spawn `name` here, the one place that does: its tenancy in the view, its
+        actors, its faults (the arbiters' side is `Switchboard.unregister`'s)."""
+        self.switchboard.forget(name)
+        self._tenant_actors.pop(name, None)
+        self.faults.forget(name)
+
+    def watch_procs(self) -> None:
+        """Have the arbiters watch the procs that run spawns now."""
+        if self.proc_watch is not None:
+            self.proc_watch.watch(self.faults.watched())
+
+    async def usage(self, timeout_s: float = 10.0
+                    ) -> dict[int, dict[int, dict[str, TenantInfo | None]]]:
+        """host -> slot -> tenant -> its `TenantInfo` now: `resident_bytes` (held now),
+        `tagged_bytes` (held when fully awake), `awake_stages`, pid, device. Each tenant
+        answers for itself on each of its procs, from here; a proc that died, or does not
+        answer within `timeout_s`, reads None (the tenant's other procs still answer)."""
+
+        async def ask(proc: Any) -> TenantInfo | None:
+            try:
+                return await asyncio.wait_for(proc.describe.call_one(), timeout_s)
+            except Exception:
+                return None
+
+        view = self.switchboard.view
+        asked = [(name, host, slot, ask(rank_of(actors, rank, per_host)))
+                 for name, (actors, per_host) in self._tenant_actors.items()
+                 if view.is_tenant(name)
+                 for rank, (host, slot) in enumerate(view.slots_of(name))]
+        answers = await asyncio.gather(*(question for *_, question in asked))
+        usage: dict[int, dict[int, dict[str, TenantInfo | None]]] = {}
+        for (name, host, slot, _), info in zip(asked, answers, strict=True):
+            usage.setdefault(host, {}).setdefault(slot, {})[name] = info
+        return usage
+
+
+def _preemptible(actor_class: type) -> bool:
+    """Whether any endpoint of `actor_class` is declared `@preemptible`."""
+    return any(call_spec(actor_class, e).preemptible for e in endpoint_names(actor_class))

@@ -1,14 +1,15 @@
-"""The switch protocol on the client side: the per-host arbiters, the tenants registered
-with them, and the cached view of who is awake.
+"""The switch protocol on the client side: the per-host arbiters, and every switch made
+through them.
 
-Every switch (wake, sleep, handoff) goes through `Switchboard`: it marks the tenants the
-switch may put to sleep as switching (`awake_now` is False for them), lets its watchers
-(services) drain their calls in flight, asks each host's arbiter in parallel, and keeps the
-hosts' answers as its view (`HostView`): each tenant's stages awake on all its slots, and
-the slots that have nothing to decide (roomy). A wake the view says has nothing to do is
-skipped; a handoff on roomy slots is the copy alone (`handoffs`). Under a policy that
+Every switch (wake, sleep, make room, a handoff) goes through `Switchboard`: it marks the
+tenants the switch may put to sleep as switching (`HostsView.awake_now` is False for
+them), lets its listeners (services) drain their calls in flight, asks each host's arbiter
+in parallel, and records the hosts' answers in its `HostsView`. Under a policy that
 measures, a wake of some stages of a tenant (or a handoff to it) may put its others to
-sleep: it marks the tenant itself switching too. Watchers hear of each change of the view.
+sleep: it marks the tenant itself switching too. Listeners hear of each change of the view.
+Work that moves memory between tenants without an arbiter (an in-place copy,
+`resources.in_place`) holds them the same way (`run_held`), and their switches wait for
+it as the arbiter's slot lock makes its own switches wait.
 Tenants an arbiter finds lost are reported to `on_lost` at once, from a switch's error or
 the liveness checks made while a drain waits. With `preempt=True`, a switch first asks the
 `@preemptible` calls running in the tenants it may put to sleep to return what they have
@@ -20,54 +21,40 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, TypeVar
 
+from colocate import watching
 from colocate.abortable import Abortable
 from colocate.arbiter.actor import remote_errors
 from colocate.arbiter.config import ArbiterConfig
-from colocate.arbiter.errors import (
-    ArbiterError,
-    SwitchAbortedError,
-    TenantLostError,
-)
+from colocate.arbiter.errors import SwitchAbortedError, TenantLostError
 from colocate.arbiter.host import Arbiter, HostStatus, HostView
+from colocate.arbiter.preempt import Preempters
 from colocate.arbiter.slot import SlotTraffic
 from colocate.resources.groups import Allocation
-from colocate.resources.handoffs import DRAIN_LIVENESS_S, Handoffs, InPlaceCopies
-from colocate.resources.preempting import Preempters
+from colocate.resources.hosts_view import HostsView, Slot
+from colocate.resources.listener import Listener
 from colocate.resources.procs import SlotProcs, bootstrap_command, rank_of, select, stop_procs
-from colocate.resources.watcher import Watcher
 
+T = TypeVar("T")
+DRAIN_LIVENESS_S = 0.25  # while a drain or a held copy waits: how often the procs are checked
 logger = logging.getLogger(__name__)
 
 
-class Switchboard(Handoffs):
-    """The arbiters of a runtime's hosts, the tenants registered with them, and the view."""
+class Switchboard:
+    """The arbiters of a runtime's hosts, the switches made through them, and their view."""
 
     def __init__(self, config: ArbiterConfig,
                  on_lost: Callable[[tuple[str, ...], str], None]) -> None:
         self.config = config
         self.on_lost = on_lost  # told of tenants an arbiter found lost: names, why
-        self.tenants: dict[str, list[tuple[int, int]]] = {}  # name -> (host, slot)
-        self.stages: dict[str, tuple[str, ...]] = {}  # name -> its stages
-        self.working: dict[str, int] = {}  # name -> its declared working memory
-        self.pids: dict[str, dict[tuple[int, int], int]] = {}  # name -> (host, slot) -> pid
-        self.awake: dict[str, frozenset[str]] = {}  # name -> awake on all its slots (last view)
-        # under a policy that measures: (host, slot) -> the tenant whose working memory the
-        # arbiter keeps free there (`HostView.holders`; another awake tenant's wake asks it)
-        self.holders: dict[tuple[int, int], str] = {}
-        # (host, slot)s with nothing to decide (`HostView.roomy`): any tenant there holds
-        self.roomy: set[tuple[int, int]] = set()
-        self.actors: dict[str, Any] = {}  # name -> its actor mesh (for in-place copies)
-        self.copies = InPlaceCopies()
-        self.measures = config.make_policy().measures
-        self.host_status: dict[int, HostStatus] = {}  # the arbiters' answers, last view
-        self._seqs: dict[int, int] = {}  # host -> `HostView.seq` of the view kept
-        self.watchers: list[Watcher] = []  # drain and changed
+        self.view = HostsView(config.make_policy().measures)
+        self.listeners: list[Listener] = []  # drain and changed
         # name -> the `Preempter` actors on its procs (tenants with @preemptible endpoints)
         self.preempters = Preempters(config.preempt_timeout_s)
-        self._switching: Counter[str] = Counter()
+        self.copies = InPlaceCopies()
         self._under_way = Abortable()  # the switches: a shutdown ends them
         self._procs: SlotProcs | None = None
         self._arbiters: Any = None
@@ -109,8 +96,7 @@ class Switchboard(Handoffs):
                        preempters: Any = None) -> None:
         """Register a started tenant with the arbiters of its slots (on all or on none);
         `preempters`: the `Preempter`s on its procs, when it has preemptible endpoints."""
-        self.tenants[name] = list(allocation.slots)
-        self.actors[name] = actors
+        self.view.add(name, list(allocation.slots), actors)
         if preempters is not None:
             self.preempters.actors[name] = preempters
         per_host = allocation.procs_per_host
@@ -125,114 +111,95 @@ class Switchboard(Handoffs):
                                    for host, slot in allocation.slots), return_exceptions=True)
             self.forget(name)
             raise
-        self.stages[name] = infos[0].stages
-        self.working[name] = max(info.working_bytes for info in infos)
-        self.pids[name] = {slot: info.pid for slot, info in zip(allocation.slots, infos,
-                                                                strict=True)}
+        self.view.added(name, list(infos))
         await self.refresh()
 
     async def unregister(self, name: str) -> None:
         """Take a tenant off its arbiters and forget it."""
-        if name not in self.tenants:
+        if not self.view.is_tenant(name):
             return
         async with remote_errors():
             await asyncio.gather(*(self.arbiter(h).unregister.call_one(name, slots)
-                                   for h, slots in self._by_host(name).items()))
+                                   for h, slots in self.view.by_host(name).items()))
         self.forget(name)
 
     def forget(self, name: str) -> None:
         """Forget a tenant here only (its arbiters no longer know it, or its slots are gone)."""
-        for table in (self.tenants, self.stages, self.working, self.pids, self.awake,
-                      self.actors, self.preempters.actors):
-            table.pop(name, None)
-        self.holders = {slot: n for slot, n in self.holders.items() if n != name}
+        self.view.forget(name)
+        self.preempters.actors.pop(name, None)
 
-    def forget_slots(self, slots: set[tuple[int, int]]) -> list[str]:
+    def forget_slots(self, slots: set[Slot]) -> list[str]:
         """Forget the tenants on any of `slots` (their procs were stopped); returns them."""
-        names = [n for n, own in self.tenants.items() if slots.intersection(own)]
+        names = self.view.on_slots(slots)
         for name in names:
             self.forget(name)
         return names
 
-    def is_tenant(self, name: str) -> bool:
-        return name in self.tenants
-
     def roomy_for(self, name: str) -> bool:
-        """Whether every slot of `name` is roomy in the view (`room.roomy`): all its tenants
-        awake and all their working memories fitting at once, so no call there needs a
-        switch."""
-        return all(s in self.roomy for s in self.tenants.get(name, ()))
-
-    def slots_of(self, name: str) -> list[tuple[int, int]]:
-        """The (host, slot)s of tenant `name`."""
-        self._by_host(name)  # an unknown name fails here
-        return list(self.tenants[name])
-
-    def _by_host(self, name: str) -> dict[int, list[int]]:
-        if name not in self.tenants:
-            raise ArbiterError(f"unknown tenant {name!r}; tenants: {sorted(self.tenants)}")
-        by_host: dict[int, list[int]] = {}
-        for host, slot in self.tenants[name]:
-            by_host.setdefault(host, []).append(slot)
-        return by_host
+        """`HostsView.roomy_for` (examples/rl_loop asks it here; `rm.roomy_for` is the
+        manager's own)."""
+        return self.view.roomy_for(name)
 
     # -- switches --------------------------------------------------------------------
 
     async def wake(self, name: str, stages: list[str] | None = None,
                    preempt: bool = False) -> None:
         """Make `name` awake on all its slots; its hosts switch in parallel. (The caller
-        skips a tenant that is `awake_now`.) With `preempt`, the neighbours' running
-        preemptible calls are asked to return what they have instead of being waited for."""
-        by_host = self._by_host(name)
-        touched = self._neighbours(name)
-        if self.measures and stages is not None and not set(self.stages[name]) <= set(stages):
+        skips a tenant that is ready.) With `preempt`, the neighbours' running preemptible
+        calls are asked to return what they have instead of being waited for."""
+        by_host = self.view.by_host(name)
+        touched = self.view.neighbours(name)
+        if self.view.measures and stages is not None \
+                and not set(self.view.stages[name]) <= set(stages):
             touched.add(name)  # its stages not asked may sleep to make room
-        await self._switch(touched, lambda: {
+        await self.switch(touched, lambda: {
             h: self.arbiter(h).wake.call_one(name, slots, stages)
             for h, slots in by_host.items()}, preempt)
 
     async def make_room(self, name: str, asked_bytes: int) -> None:
         """A call of `name` asked `asked_bytes` more than its slots had free: its arbiters
         learn the larger need and make the room (`SlotArbiter.make_room`)."""
-        by_host = self._by_host(name)
-        await self._switch(self._neighbours(name), lambda: {
+        by_host = self.view.by_host(name)
+        await self.switch(self.view.neighbours(name), lambda: {
             h: self.arbiter(h).make_room.call_one(name, asked_bytes, slots)
             for h, slots in by_host.items()})
 
-    def holds(self, name: str) -> bool:
-        """Whether `name` holds its slots' working memory (always, when the policy does
-        not measure, it declares none, or its slots are roomy): then a wake of it, awake,
-        has nothing to do."""
-        return not self.measures or not self.working.get(name) or all(
-            self.holders.get(s) == name or s in self.roomy for s in self.tenants.get(name, ()))
-
     async def sleep(self, name: str) -> None:
         """Put `name` to sleep on all its slots, verified."""
-        by_host = self._by_host(name)
-        await self._switch({name}, lambda: {
+        by_host = self.view.by_host(name)
+        await self.switch({name}, lambda: {
             h: self.arbiter(h).sleep.call_one(name, slots) for h, slots in by_host.items()})
 
-    def _neighbours(self, name: str) -> set[str]:
-        """The tenants that share a slot with `name`: a wake of `name` may put them to sleep."""
-        mine = set(self.tenants[name])
-        return {other for other, slots in self.tenants.items()
-                if other != name and mine.intersection(slots)}
-
-    async def _switch(self, touched: set[str],
-                      calls: Callable[[], dict[int, Awaitable[HostView]]],
-                      preempt: bool = False) -> None:
+    async def switch(self, touched: set[str],
+                     calls: Callable[[], dict[int, Awaitable[HostView]]],
+                     preempt: bool = False) -> None:
         """Make arbiter calls (host -> call) that may put `touched` to sleep: first mark
-        them switching and let the watchers drain their in-flight requests (with `preempt`,
-        their preemptible calls asked to return first: `Preempters.ask`); after, keep the
-        hosts' answers as the view (every host's, when a call failed and left its host's
+        them switching and let the listeners drain their in-flight requests (with `preempt`,
+        their preemptible calls asked to return first: `Preempters.ask`); after, record the
+        hosts' answers in the view (every host's, when a call failed and left its host's
         state unknown). `calls` makes the calls only when invoked: a Monarch call is sent
         when it is made, not when it is awaited, so making them before the drain would
         race it."""
-        self._switching.update(touched)
-        try:
+        with self._marked(touched):
             await self._under_way.run(self._drain_then_call(touched, calls, preempt))
+
+    async def run_held(self, touched: set[str], work: Callable[[], Awaitable[T]]) -> T:
+        """`work()`'s answer, run with `touched` held as for a switch but with no arbiter
+        call (an in-place copy between their procs): marked switching (routing to them
+        waits), their calls in flight drained, and their switches waiting until it ends."""
+        with self._marked(touched):
+            async with self.copies.running_on(touched):
+                await self._under_way.run(self._drain(touched, copies=False))
+                return await self._under_way.run(work())
+
+    @contextmanager
+    def _marked(self, touched: set[str]) -> Iterator[None]:
+        """`touched` switching for the block; the listeners hear of the change after."""
+        self.view.switching.update(touched)
+        try:
+            yield
         finally:
-            self._switching.subtract(touched)
+            self.view.switching.subtract(touched)
             self._changed()
 
     async def _drain_then_call(self, touched: set[str],
@@ -241,7 +208,7 @@ class Switchboard(Handoffs):
         asked = sorted(n for n in touched if n in self.preempters.actors) if preempt else []
         try:
             if asked:
-                await self.preempters.ask(asked, self.awake_tenants)
+                await self.preempters.ask(asked, self.view.awake_tenants)
             await self._drain(touched)
         finally:
             if asked:
@@ -256,54 +223,31 @@ class Switchboard(Handoffs):
             if not self._under_way.aborted:
                 await self.refresh()  # before routing resumes: the old view is stale now
             raise
-        self._keep(dict(zip(pending, answers, strict=True)))
+        self.view.record(dict(zip(pending, answers, strict=True)))
 
     async def _drain(self, touched: set[str], copies: bool = True) -> None:
-        """Let the watchers drain `touched` (with `copies`: and wait for the in-place copies
-        from or into them). A call in flight in a proc that died would hold
-        the drain until Monarch gives up on it (seconds to minutes), so while the drain
-        waits, the arbiters check every `DRAIN_LIVENESS_S` that those tenants' procs run;
-        the lost ones are reported (`on_lost`), and their services end those calls."""
-        drained = asyncio.ensure_future(asyncio.gather(
-            *(watcher.drain(touched) for watcher in list(self.watchers)),
-            *([self.copies.ended(touched)] if copies else [])))
-        try:
-            while not drained.done():
-                await asyncio.wait({drained}, timeout=DRAIN_LIVENESS_S)
-                if not drained.done():
-                    await self._find_lost(touched)
-            drained.result()
-        finally:
-            drained.cancel()
+        """Let the listeners drain `touched` (with `copies`: and wait for the in-place
+        copies from or into them). A call in flight in a proc that died would hold the
+        drain until Monarch gives up on it, so the drain is watched (`colocate.watching`):
+        every `DRAIN_LIVENESS_S` the arbiters check that those tenants' procs run; the lost
+        ones are reported (`on_lost`), and their services end those calls."""
+        async def check() -> None:
+            await self.find_lost(touched)
 
-    async def _find_lost(self, names: set[str]) -> dict[str, str]:
+        await watching.watched(asyncio.gather(
+            *(listener.drain(touched) for listener in list(self.listeners)),
+            *([self.copies.ended(touched)] if copies else [])), DRAIN_LIVENESS_S, check)
+
+    async def find_lost(self, names: set[str]) -> dict[str, str]:
         """Report those of `names` whose procs died (`on_lost`); returns them: name -> why."""
-        hosts = {host for name in names if name in self.tenants
-                 for host, _ in self.tenants[name]}
+        hosts = {host for name in names if name in self.view.tenants
+                 for host, _ in self.view.tenants[name]}
         found = await asyncio.gather(*(self.arbiter(h).find_lost.call_one(sorted(names))
                                        for h in hosts))
         lost = {name: why for each in found for name, why in each.items()}
         for name, why in lost.items():
             self.on_lost((name,), why)
         return lost
-
-    def awake_now(self, name: str, stages: Collection[str] | None = None) -> bool:
-        """`stages` (default: all of its own) awake on all its slots in the view, with no
-        switch in flight that may put them to sleep."""
-        up = self.awake.get(name)
-        wanted = self.stages.get(name, ()) if stages is None else stages
-        return up is not None and up.issuperset(wanted) and self._switching[name] <= 0
-
-    def needed(self, name: str, stages: Collection[str] | None) -> tuple[str, ...]:
-        """What a call that needs `stages` (None: every stage) needs of tenant `name`: those
-        of its own stages, in its wake order (the others are not its to need)."""
-        own = self.stages.get(name, ())
-        return own if stages is None else tuple(s for s in own if s in stages)
-
-    def awake_tenants(self) -> list[str]:
-        """The tenants fully awake in the view, by name."""
-        return sorted(name for name, up in self.awake.items()
-                      if up and up.issuperset(self.stages.get(name, ())))
 
     async def kill(self, procs: list[tuple[int, int]]) -> None:
         """SIGKILL `procs` ((host, pid) pairs), each by its host's arbiter."""
@@ -328,33 +272,38 @@ class Switchboard(Handoffs):
                 for point, value in found.items()}
 
     async def refresh(self) -> None:
-        """Ask every arbiter for its view and keep it."""
-        self._keep(await self._each_host("view"))
+        """Ask every arbiter for its view and record it."""
+        self.view.record(await self._each_host("view"))
         self._changed()
 
-    def _keep(self, views: dict[int, HostView]) -> None:
-        """Keep hosts' answers as the view: who is awake, which slots are roomy. A view
-        older than the one kept (a concurrent switch's, on other slots of the host,
-        answered later) is dropped: it would undo what the newer one says."""
-        for host, view in views.items():
-            if view.seq <= self._seqs.get(host, 0):
-                continue
-            self._seqs[host] = view.seq
-            self.host_status[host] = view.status
-            self.roomy = {s for s in self.roomy if s[0] != host} | {
-                (host, slot) for slot in view.roomy}
-            self.holders = {s: n for s, n in self.holders.items() if s[0] != host} | {
-                (host, slot): name for slot, name in view.holders.items()}
-        self._update_awake()
-
-    def _update_awake(self) -> None:
-        status = self.host_status
-        self.awake = {  # a slot whose state is unknown counts no stage awake
-            name: frozenset.intersection(*(frozenset(status[h][slot].get(name) or ())
-                                           for h, slot in slots))
-            for name, slots in self.tenants.items()}
-
     def _changed(self) -> None:
-        for watcher in list(self.watchers):
-            watcher.changed()
+        for listener in list(self.listeners):
+            listener.changed()
 
+
+class InPlaceCopies:
+    """The in-place copies under way (`Switchboard.run_held`), counted per tenant (source
+    and target): a switch of any of them waits until they end."""
+
+    def __init__(self) -> None:
+        self.running: Counter[str] = Counter()
+        self._ended = asyncio.Condition()
+
+    def busy(self, names: Collection[str]) -> bool:
+        return any(self.running[name] > 0 for name in names)
+
+    async def ended(self, names: Collection[str]) -> None:
+        """Return once no copy runs from or into `names`."""
+        async with self._ended:
+            await self._ended.wait_for(lambda: not self.busy(names))
+
+    @asynccontextmanager
+    async def running_on(self, names: Collection[str]) -> AsyncIterator[None]:
+        """Count a copy between `names` for the block's length."""
+        self.running.update(names)
+        try:
+            yield
+        finally:
+            self.running.subtract(names)
+            async with self._ended:
+                self._ended.notify_all()

@@ -1,5 +1,6 @@
-"""The handoff: weights passed from one tenant to another on a slot they share, as one
-plan, and how its failure is told.
+"""The arbiter's side of a handoff: weights passed from one tenant to another on a slot
+they share, as one plan, and how its failure is told (the client's side, which asks the
+arbiters or copies in place: `colocate.resources.handoff_client`).
 
 The one moment two tenants of a slot are partly awake. The plan, carried out in the
 slot's proc: every other awake tenant sleeps, then the target, then the source's stages

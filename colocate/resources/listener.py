@@ -1,8 +1,9 @@
-"""What a client of the runtime (a service) hears: one `Watcher`, given to `rm.watch`.
+"""What a client of the runtime (a service) hears: one `Listener`, given to `rm.listen`.
 
-The resource manager hands the same watcher to each part that speaks to it: the
+The resource manager hands the same listener to each part that speaks to it: the
 `Switchboard` calls `drain` and `changed`, `Faults` calls `failed`, the manager itself
-calls `close`. A client gives only what it needs; the rest do nothing.
+calls `close`. A client gives only what it needs; the rest do nothing. (The procs
+themselves are watched elsewhere: `colocate.arbiter.proc_watch`.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ async def _closed(grace_s: float) -> None:
 
 
 @dataclass(frozen=True)
-class Watcher:
+class Listener:
     """- `drain(tenants)`: before a switch that may put `tenants` to sleep (routing to them
       has stopped); return when their calls in flight are done.
     - `changed()`: after the view of who is awake changed or a switch ended (any thread).
