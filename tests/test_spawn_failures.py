@@ -101,7 +101,7 @@ async def test_an_init_that_raises_fails_alone_and_leaves_no_trace():
         err = info.value
         assert (err.name, err.exception_type) == ("broken", "ValueError")
         assert isinstance(err.exception, ValueError) and not err.procs_lost
-        assert not rm.faults.known("broken") and not rm.switchboard.is_tenant("broken")
+        assert not rm.faults.known("broken") and not rm.view.is_tenant("broken")
         assert not rm.group("rl").used["broken"]  # the allocation was given back
         await still_switches(rm, a)
         # the name is free again, on the same procs

@@ -135,11 +135,6 @@ class Switchboard:
             self.forget(name)
         return names
 
-    def roomy_for(self, name: str) -> bool:
-        """`HostsView.roomy_for` (examples/rl_loop asks it here; `rm.roomy_for` is the
-        manager's own)."""
-        return self.view.roomy_for(name)
-
     # -- switches --------------------------------------------------------------------
 
     async def wake(self, name: str, stages: list[str] | None = None,

@@ -242,9 +242,9 @@ class Loop:
         """Whether the generator's calls can run beside the trainer's: on slots of their own
         (`run.colocate=false`), or on roomy ones (every tenant awake, all their working
         memories fitting at once)."""
-        board = self.runtime.rm.switchboard
+        rm = self.runtime.rm
         return not self.cfg.run.colocate or all(
-            board.roomy_for(name) for name in self.runtime.generator.tenant_names())
+            rm.roomy_for(name) for name in self.runtime.generator.tenant_names())
 
     async def _generating(self, prompts: list[list[int]], params: SamplingParams) -> list:
         """`generate_ids` in the generator's phase (a round started while a step trains)."""
