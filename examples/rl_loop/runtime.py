@@ -21,6 +21,7 @@ from colocate import init, phase
 from colocate.engines.actors import GeneratorActor, TrainerActor
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
+from colocate.resources.packing import ResourceRequest
 from examples.rl_loop import task
 from examples.rl_loop.budget import StepTraffic, arbiter_config
 from examples.rl_loop.config import RLConfig
@@ -83,8 +84,11 @@ class Runtime:
         path = str(self.model_dir)
         slots = run.slots if run.colocate else 2 * run.slots
         self.arbiter = arbiter_config(self.cfg, self.model_dir, torch.cuda.is_available())
-        self.rm = await init("local", gpus_per_host=slots, arbiter=self.arbiter)
+        self.rm = await init(run.scheduler, hosts=run.hosts, gpus_per_host=slots,
+                             arbiter=self.arbiter, timeout_s=run.host_timeout_s)
         groups = ("rl", "rl") if run.colocate else ("train", "generate")
+        if not run.colocate:  # the generator's slots: as many as the trainer's, on each host
+            await self.rm.reserve(ResourceRequest(groups[1], run.hosts, run.slots))
         # a lost trainer proc restarts the trainer's whole group, whose services come back
         # in the same processes as before, and the loop reloads its last checkpoint
         # (`recovery.Recovery`); with run.max_restarts=0 the trainer does not come back: a trainer
@@ -92,7 +96,8 @@ class Runtime:
         self.recovery.follow(group_restarts(groups[0]))
         restart = {"restart": "group"} if run.max_restarts else {"respawn": False}
         self.trainer = await spawn_service(
-            ServiceConfig(procs_per_host=run.slots, resource_group=groups[0], **restart),
+            ServiceConfig(hosts_per_replica=run.hosts, procs_per_host=run.slots,
+                          resource_group=groups[0], **restart),
             TrainerActor, path, lr=self.cfg.grpo.lr,
             max_grad_norm=self.cfg.grpo.max_grad_norm, name="trainer",
             **vars(self.cfg.trainer))
@@ -117,24 +122,26 @@ class Runtime:
     def _generator_service(self, group: str, restart: dict[str, Any]
                            ) -> tuple[ServiceConfig, dict[str, Any]]:
         """The generator's service config and engine options. The torch engine: one
-        replica per slot; vLLM on several slots: one replica over all of them (tp x dp
-        ranks, called SPMD), the node-scale hybrid engine. Beside the trainer it takes the
-        trainer's restart policy (one per group); on slots of its own, a lost replica is
-        respawned alone and given the weights (`_resync`)."""
+        replica per slot of every host; vLLM on several slots: one replica over all of them,
+        on every host (tp x dp ranks, called SPMD), the node-scale hybrid engine. Beside the
+        trainer it takes the trainer's restart policy (one per group); on slots of its own,
+        a lost replica is respawned alone and given the weights (`_resync`)."""
         run, options = self.cfg.run, {"engine": self.cfg.run.engine,
                                       "max_batch": self.cfg.generator.max_batch}
         shared = run.colocate and restart.get("restart") == "group"
         shape = {"resource_group": group, **(restart if shared else {})}
         if run.engine == "torch":
             # every wake comes with the trainer's weights (a sync): keep none across sleeps
-            config = ServiceConfig(num_replicas=run.slots, **shape)
+            config = ServiceConfig(num_replicas=run.slots * run.hosts, **shape)
             options["keep_weights"] = False
-        elif run.slots == 1:
+        elif run.slots * run.hosts == 1:
             config = ServiceConfig(**shape)
         else:
             tp = self.cfg.generator.tensor_parallel_size
-            config = ServiceConfig(procs_per_host=run.slots, **shape)
-            options.update(tensor_parallel_size=tp, data_parallel_size=run.slots // tp)
+            config = ServiceConfig(hosts_per_replica=run.hosts, procs_per_host=run.slots,
+                                   **shape)
+            options.update(tensor_parallel_size=tp,
+                           data_parallel_size=run.slots * run.hosts // tp)
         return config, options
 
     async def _resync(self, replica: Replica) -> None:
