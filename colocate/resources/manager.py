@@ -7,16 +7,15 @@
                                await rm.allocate(ResourceRequest("rl", 2, 2), owner="gen"))
     await rm.wake("generator")     # the trainer sleeps on every slot first, verified
 
-The manager puts together three parts, each with one job: `groups.Groups` (resource groups
-and allocations: which procs each owner gets), `switching.Switchboard` (the per-host
-arbiters, the tenants registered with them, the switch protocol and its view of who is
-awake) and `faults.Faults` (which spawned actor meshes died). Its own job is the life of
-what it spawns: a spawn is checked, tracked and registered with the arbiters, or undone
-whole; a removal undoes all three. Clients (services) use its methods, and hear of
-switches and faults through a `Watcher`. Faults are seen early: an always-on `ProcWatch`
-has each host's arbiter poll the pids of the procs that run spawns. A group's procs can be
-replaced whole (`restart_group`, then `reallocate`), for clients that restart a group.
-Without GPUs, `gpus_per_host` virtual slots (plain CPU procs) stand in for them.
+It puts together `groups.Groups` (resource groups and allocations), `switching.Switchboard`
+(the per-host arbiters, their tenants, the switch protocol, who is awake) and
+`faults.Faults` (which spawned meshes died). Its own job is the life of what it spawns: a
+spawn is checked, tracked and registered with the arbiters, or undone whole; a removal
+undoes all three. Clients (services) use its methods and hear of switches and faults
+through a `Watcher`. Faults are seen early: an always-on `ProcWatch` has each host's
+arbiter poll the pids of the procs that run spawns, and a host whose arbiter stops
+answering is lost (`lost_hosts`). A group's procs can be replaced whole (`restart_group`,
+then `reallocate`). Without GPUs, virtual slots (plain CPU procs) stand in for them.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from colocate.monarch_compat import endpoint_names, mesh_name
 from colocate.resources.faults import Faults
 from colocate.resources.groups import Allocation, Group, Groups
 from colocate.resources.hosts import HostJob
+from colocate.resources.lost_hosts import LostHosts
 from colocate.resources.packing import Inventory, ResourceError, ResourceRequest
 from colocate.resources.proc_watch import ProcWatch
 from colocate.resources.procs import rank_of
@@ -66,6 +66,7 @@ class ResourceManager:
         self.faults = Faults()
         self.switchboard = Switchboard(arbiter_config, on_lost=self.faults.lost)
         self.proc_watch: ProcWatch | None = None  # started with the arbiters
+        self.lost_hosts = LostHosts(job, self.faults)  # hosts whose arbiter stopped answering
         self.watchers: list[Watcher] = []
         # name -> its actor mesh and procs per host, for usage()
         self._tenant_actors: dict[str, tuple[Any, int]] = {}
@@ -128,6 +129,7 @@ class ResourceManager:
         stop=False)`); spawns left on the old procs are failed (their watchers hear it)
         and forgotten. The owners keep their slots: `reallocate` gives each allocation's
         cells on the new procs, so owners that shared a process share one again."""
+        self.lost_hosts.check(self.groups.get(name).placement.hosts, f"group {name!r}")
         left = self.faults.on_procs(self.groups.get(name).host_pids())
         self.faults.lost(left, f"its resource group {name!r} was restarted")
         for spawn in left:
@@ -229,7 +231,7 @@ class ResourceManager:
         """Start the hosts' arbiters, then their watch on the procs."""
         await self.switchboard.start(self.job.mesh, self.gpus_per_host)
         self.proc_watch = ProcWatch(self.switchboard.arbiter, self.job.num_hosts,
-                                    self._procs_died)
+                                    self._procs_died, self.lost_hosts.add, self.job.answers)
         self.proc_watch.start()
 
     def _procs_died(self, host: int, pids: list[int]) -> None:

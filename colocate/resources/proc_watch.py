@@ -6,8 +6,11 @@ supervision (about 7 s); the arbiters poll pids on their own host (`arbiter.pid_
 this works for remote hosts too, where the client cannot see the pids. `watch(pids)` sends
 each host its set when it changed (a fire-and-forget message, versioned so that the newest
 wins); one task per host asks `next_dead` in a loop, each call returning at a death or
-after `WINDOW_S`, and hands what died to `on_dead(host, pids)`. Idle, it costs each arbiter
-a pid check every 0.1 s and one message per host every `WINDOW_S`.
+after `WINDOW_S`, and hands what died to `on_dead(host, pids)`; a poll that fails (the
+arbiter's process is gone, and with it its host) goes to `on_lost(host, why)`, as does a
+host whose worker no longer takes connections (`answers(host)`, asked every `PROBE_S`
+where the hosts' job can tell). Idle, it costs each arbiter a pid check every 0.1 s and
+one message per host every `WINDOW_S`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 5.0  # the longest a poll waits before it is asked again
+PROBE_S = 1.0  # how often each host's worker is asked for a connection, where it can be
 CLOSE_S = 2.0  # at stop: how long the arbiters get to answer the polls under way
 
 
@@ -27,8 +31,11 @@ class ProcWatch:
     """One long-poll task per host over its arbiter's pid watch."""
 
     def __init__(self, arbiter: Callable[[int], Any], hosts: int,
-                 on_dead: Callable[[int, list[int]], None]) -> None:
-        self.arbiter, self.hosts, self.on_dead = arbiter, hosts, on_dead
+                 on_dead: Callable[[int, list[int]], None],
+                 on_lost: Callable[[int, str], None] | None = None,
+                 answers: Callable[[int], bool | None] | None = None) -> None:
+        self.arbiter, self.hosts, self.on_dead, self.on_lost = arbiter, hosts, on_dead, on_lost
+        self.answers = answers
         self.version = 0
         self.sent: dict[int, set[int]] = {}  # host -> the pids it watches
         self.closed = False
@@ -36,6 +43,23 @@ class ProcWatch:
 
     def start(self) -> None:
         self._tasks = [asyncio.ensure_future(self._poll(host)) for host in range(self.hosts)]
+        if self.answers is not None and self.on_lost is not None:
+            self._tasks.append(asyncio.ensure_future(self._probe(self.answers, self.on_lost)))
+
+    async def _probe(self, answers: Callable[[int], bool | None],
+                     on_lost: Callable[[int, str], None]) -> None:
+        """Every `PROBE_S`, whether each host's worker still takes connections: a worker
+        gone while its procs live on (they outlive it for a while) is a lost host too."""
+        left = set(range(self.hosts))
+        while not self.closed and left:
+            for host in sorted(left):
+                found = await asyncio.to_thread(answers, host)
+                if found is None:  # the job cannot tell
+                    return
+                if not found and not self.closed:
+                    left.discard(host)
+                    on_lost(host, "its worker stopped taking connections")
+            await asyncio.sleep(PROBE_S)
 
     def watch(self, pids: dict[int, set[int]]) -> None:
         """Watch exactly `pids` (host -> pids) from now on; hosts whose set is unchanged
@@ -53,10 +77,13 @@ class ProcWatch:
         while not self.closed:
             try:
                 dead = await self.arbiter(host).next_dead.call_one(WINDOW_S)
-            except Exception as err:  # the arbiter is gone: the runtime is stopping
+            except Exception as err:  # the arbiter is gone: its host, unless we stop
                 if not self.closed:
-                    logger.warning("the proc watch of host %d stopped: %s", host,
-                                   str(err).splitlines()[0] if str(err) else type(err).__name__)
+                    why = str(err).splitlines()[0] if str(err) else type(err).__name__
+                    logger.warning("the proc watch of host %d stopped: %s", host, why)
+                    if self.on_lost is not None:
+                        self.on_lost(host, f"its arbiter stopped answering "
+                                           f"({type(err).__name__})")
                 return
             if dead and not self.closed:
                 self.sent.get(host, set()).difference_update(dead)  # the arbiter dropped them

@@ -21,6 +21,7 @@ from colocate import init, phase
 from colocate.engines.actors import GeneratorActor, TrainerActor
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
+from colocate.resources.lost_hosts import LostHost
 from colocate.resources.packing import ResourceRequest
 from examples.rl_loop import task
 from examples.rl_loop.budget import StepTraffic, arbiter_config
@@ -66,6 +67,7 @@ class Runtime:
         self.reference: Service | None = None
         self.training = asyncio.Lock()  # held from a train step through its weight sync
         self.resyncs = 0  # generator replicas given the weights after a respawn
+        self.moves: StepTraffic | None = None  # what the switches moved, step by step
         self.threads_before: str | None = None  # OMP_NUM_THREADS before run.cpu_threads ("": unset)
 
     async def start(self, checkpoint: Path | None = None) -> None:
@@ -81,19 +83,34 @@ class Runtime:
             # run on a thread of their own, each with a team of this many: see README)
             self.threads_before = os.environ.get("OMP_NUM_THREADS", "")
             os.environ["OMP_NUM_THREADS"] = str(run.cpu_threads)
-        path = str(self.model_dir)
-        slots = run.slots if run.colocate else 2 * run.slots
         self.arbiter = arbiter_config(self.cfg, self.model_dir, torch.cuda.is_available())
-        self.rm = await init(run.scheduler, hosts=run.hosts, gpus_per_host=slots,
-                             arbiter=self.arbiter, timeout_s=run.host_timeout_s)
+        await self._start_hosts()
+        await self._spawn()
+        await self.load(checkpoint)
+        await self._count_moves()
+
+    async def _start_hosts(self, leave_out: tuple[str, ...] = ()) -> None:
+        """`run.hosts` hosts from `run.scheduler`, with `run.slots` slots each (twice as
+        many apart); Slurm leaves out the nodes `leave_out` (those of lost hosts)."""
+        run = self.cfg.run
+        options = {"sbatch_args": (f"--exclude={','.join(leave_out)}",)} \
+            if leave_out and run.scheduler == "slurm" else {}
+        self.rm = await init(run.scheduler, hosts=run.hosts,
+                             gpus_per_host=run.slots if run.colocate else 2 * run.slots,
+                             arbiter=self.arbiter, timeout_s=run.host_timeout_s, **options)
+
+    async def _spawn(self) -> None:
+        """The trainer over every slot of every host, the generator (and the reference)."""
+        run, path = self.cfg.run, str(self.model_dir)
         groups = ("rl", "rl") if run.colocate else ("train", "generate")
         if not run.colocate:  # the generator's slots: as many as the trainer's, on each host
             await self.rm.reserve(ResourceRequest(groups[1], run.hosts, run.slots))
         # a lost trainer proc restarts the trainer's whole group, whose services come back
         # in the same processes as before, and the loop reloads its last checkpoint
-        # (`recovery.Recovery`); with run.max_restarts=0 the trainer does not come back: a trainer
-        # back at step 0 would be a silent restart
-        self.recovery.follow(group_restarts(groups[0]))
+        # (`recovery.Recovery`); a lost host brings the run back on new hosts
+        # (`replace_hosts`); with run.max_restarts=0 the trainer does not come back: a
+        # trainer back at step 0 would be a silent restart
+        self.recovery.follow(group_restarts(groups[0]), self)
         restart = {"restart": "group"} if run.max_restarts else {"respawn": False}
         self.trainer = await spawn_service(
             ServiceConfig(hosts_per_replica=run.hosts, procs_per_host=run.slots,
@@ -107,9 +124,29 @@ class Runtime:
         self.generator.on_respawn.append(self._resync)
         if self.cfg.grpo.beta > 0:
             self.reference = await spawn_reference(self.cfg, path, groups[0], restart)
-        await self.load(checkpoint)
+
+    async def _count_moves(self) -> None:
         self.moves = StepTraffic(self.rm)  # what each step's switches move, from here on
         await self.moves.since_last(self.services())
+
+    def lost_hosts(self) -> list[LostHost]:
+        """The hosts this runtime lost, in the order they were seen."""
+        return list(self.rm.lost_hosts.lost.values())
+
+    async def replace_hosts(self) -> dict[str, float]:
+        """After a lost host: stop what is left of the runtime (its job cancelled), then
+        start it on `run.hosts` new hosts (Slurm: leaving out the lost host's node) with
+        its services; the caller loads the checkpoint (`load`). Raises HostStartError when
+        none come within `run.host_timeout_s`. Returns where the time went."""
+        leave_out = tuple(self.rm.lost_hosts.nodes()[:1])
+        began = time.monotonic()
+        await self.rm.shutdown(grace_s=2.0)
+        stopped = time.monotonic()
+        await self._start_hosts(leave_out)
+        started = time.monotonic()
+        await self._spawn()
+        return {"stop_s": stopped - began, "hosts_s": started - stopped,
+                "spawn_s": time.monotonic() - started}
 
     async def load(self, checkpoint: Path | None) -> None:
         """The trainer loads `checkpoint` (None: it keeps the weights it has), then the
@@ -118,6 +155,8 @@ class Runtime:
             async with phase(self.trainer):
                 await self.trainer.load_checkpoint.route(str(checkpoint / "trainer"))
         await sync_weights(self.trainer, self.generator)
+        if self.moves is not None and self.moves.rm is not self.rm:  # on new hosts: from here
+            await self._count_moves()
 
     def _generator_service(self, group: str, restart: dict[str, Any]
                            ) -> tuple[ServiceConfig, dict[str, Any]]:
