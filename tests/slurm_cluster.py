@@ -1,6 +1,6 @@
 """The `slurm_cluster` fixture: a real Slurm cluster on this machine for the tests marked
 `slurm`, started once per session by `tests/slurm/local_cluster.sh` (munged, slurmctld and
-two slurmd nodes, each with its own name and loopback address) and stopped at the end with
+three slurmd nodes, each with its own name and loopback address) and stopped at the end with
 everything its jobs started.
 
 Where Slurm cannot run here (not root, the packages missing, no UTS namespaces) the tests
@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 SCRIPT = Path(__file__).parent / "slurm" / "local_cluster.sh"
-NODES = 2
+NODES = 3  # runs take 2 hosts: the third is there to replace a lost one
 PACKAGES = "apt-get install slurmctld slurmd slurm-client munge"
 
 

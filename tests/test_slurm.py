@@ -1,4 +1,4 @@
-"""Hosts from a real Slurm cluster (the `slurm_cluster` fixture: munged, slurmctld and two
+"""Hosts from a real Slurm cluster (the `slurm_cluster` fixture: munged, slurmctld and three
 slurmd nodes on this machine): `start_hosts("slurm", n)`, what it says when Slurm refuses or
 queues the job, what `stop()` leaves (nothing), and the runtime over two Slurm hosts:
 packing, colocation, one arbiter per host, sleep/wake and awake-only routing, with a
@@ -78,7 +78,8 @@ def test_two_hosts_from_slurm_and_stop_leaves_nothing(slurm_cluster, isolated,
                                                       procs_import_tests):
     got = isolated(two_hosts)
     assert got["queued"][0] == "RUNNING"
-    assert sorted({host for host, _ in got["where"]}) == list(slurm_cluster.nodes)
+    hosts = sorted({host for host, _ in got["where"]})  # two of the cluster's nodes
+    assert len(hosts) == 2 and set(hosts) <= set(slurm_cluster.nodes), hosts
     assert len({pid for _, pid in got["where"]}) == 4  # 2 procs on each node
     assert len(got["running"]) >= 2 + 4, got["running"]  # 2 workers, 4 procs at least
     assert got["job_processes_after_stop"] == []
@@ -148,8 +149,8 @@ def runtime_on_slurm() -> dict[str, Any]:
 
 def test_runtime_over_two_slurm_hosts(slurm_cluster, isolated, procs_import_tests):
     got = isolated(runtime_on_slurm)
-    nodes = list(slurm_cluster.nodes)
-    assert got["arbiter_hosts"] == nodes  # one arbiter per host, each on its node
+    nodes = got["arbiter_hosts"]  # one arbiter per host, each on its node
+    assert len(set(nodes)) == 2 and set(nodes) <= set(slurm_cluster.nodes), nodes
     trainer, generator, local = got["places"]["trainer"], got["places"]["generator"], \
         got["places"]["local"]
     assert trainer == generator  # colocated: the same procs, on both nodes

@@ -67,15 +67,20 @@ class LostHosts:
             return
         gone = [h for h in range(self.job.num_hosts)
                 if h not in self.lost and h != host and self.job.answers(h) is False]
-        for lost in [*gone, host]:
-            self._add(lost, "its worker does not take connections" if lost in gone else why)
+        states = {h: self._state(h) for h in [*gone, host]}  # a node set down goes first
+        for lost in sorted(states, key=lambda h: states[h] == ""):
+            self._add(lost, why if lost == host else "its worker does not take connections",
+                      states[lost])
 
-    def _add(self, host: int, why: str) -> None:
+    def _state(self, host: int) -> str:
+        """Slurm's state of the host's node when it is not up (`down*`...), else ""."""
         node = self.node(host)
         state = _node_state(node) if self.job.scheduler == "slurm" and node else ""
-        name = self.name(host) + (f", Slurm says the node is {state}"
-                                  if state and state.split()[0] not in UP else "")
-        found = LostHost(host, name, node, why, time.time())
+        return state if state and state.split()[0].rstrip("*~#!%$@^-") not in UP else ""
+
+    def _add(self, host: int, why: str, state: str) -> None:
+        name = self.name(host) + (f", Slurm says the node is {state}" if state else "")
+        found = LostHost(host, name, self.node(host), why, time.time())
         self.lost[host] = found
         logger.warning("lost %s: %s", name, why)
         procs = {(host, pid) for pid in self.faults.watched().get(host, ())}
