@@ -150,6 +150,14 @@ def _same_steps(run: dict[str, Any], reference: dict[str, Any]) -> None:
     assert [s["step"] for s in run["steps"]] == list(range(-1, 5))
 
 
+def _resume(nodes: tuple[str, ...]) -> None:
+    """Nodes set down or drained by a test back in service (one at a time: Slurm refuses
+    a RESUME of a node that is up, and with it the whole list)."""
+    for node in nodes:
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"],
+                       capture_output=True)
+
+
 def _nothing_left(cluster: Any, *runs: dict[str, Any]) -> None:
     assert cluster.queue() == []
     for run in runs:
@@ -180,8 +188,7 @@ def test_a_lost_slurm_host_is_named_replaced_and_the_run_ends_as_never_faulted(
     try:
         run = isolated(run_loop, str(tmp_path), "slurm", fault)
     finally:
-        subprocess.run(["scontrol", "update", f"NodeName={','.join(slurm_cluster.nodes)}",
-                        "State=RESUME"], capture_output=True)
+        _resume(slurm_cluster.nodes)
     assert run["failed"] == "" and len(run["restarts"]) == 1, run
     restart, (old, new) = run["restarts"][0], run["jobs"]
     lost = f"host 1 (Slurm job {old}, node {run['faulted_node']}"
@@ -208,8 +215,7 @@ def test_without_a_node_to_replace_it_the_run_stops_and_resumes_on_a_new_allocat
         stopped = isolated(run_loop, str(tmp_path), "slurm", "kill",
                            ("run.host_timeout_s=8",))
     finally:
-        subprocess.run(["scontrol", "update", f"NodeName={','.join(slurm_cluster.nodes)}",
-                        "State=RESUME"], capture_output=True)
+        _resume(slurm_cluster.nodes)
     failed = stopped["failed"]
     assert failed.startswith(f"HostsLostError: lost host 1 (Slurm job {stopped['jobs'][0]}, "
                              f"node {stopped['faulted_node']}"), failed

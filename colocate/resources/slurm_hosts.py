@@ -91,7 +91,9 @@ def start_slurm(n: int, timeout_s: float, *, launcher: str = "auto",
 def _directives(n: int, job_name: str, partition: str | None, time_limit: str | None,
                 gpus_per_node: int | None, cpus_per_task: int | None, mem: str | None,
                 exclusive: bool, sbatch_args: tuple[str, ...]) -> list[str]:
-    lines = [f"--job-name={job_name}", f"--nodes={n}", "--ntasks-per-node=1"]
+    # never requeued: a requeued job would start its workers again under the same ids,
+    # and the client would take them for the hosts it lost
+    lines = [f"--job-name={job_name}", f"--nodes={n}", "--ntasks-per-node=1", "--no-requeue"]
     for flag, value in (("partition", partition), ("time", time_limit),
                         ("gpus-per-node", gpus_per_node), ("cpus-per-task", cpus_per_task),
                         ("mem", mem)):

@@ -163,8 +163,10 @@ class Recovery:
             if isinstance(failure, asyncio.CancelledError) or time.monotonic() > deadline:
                 raise failure
             await asyncio.sleep(0.05)
-        if self.restarts.running:
-            await asyncio.shield(self.restarts.task)
+        while self.restarts.running:  # a restart on a lost host is left to the shutdown
+            if self.hosts.lost_hosts():
+                return self._lost()
+            await asyncio.wait({self.restarts.task}, timeout=0.1)
         event = self.restarts.events[-1]
         if self.hosts.lost_hosts():  # the restart failed on the lost host, or came first
             return self._lost()
