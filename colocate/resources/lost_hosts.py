@@ -6,8 +6,10 @@ the arbiter's process goes with it and the poll fails at once: that host is lost
 spawn with a proc there fails with the host named (`host 1 (Slurm job 41005, node c41n2)`,
 with Slurm's view of the node when it is not up), so calls in flight end at once instead
 of waiting for Monarch's supervision, and a group restart on a lost host fails fast
-(`check`) rather than spawning procs on it. Replacing a lost host is the client's: a new
-allocation (a run restarted there from its checkpoint), its nodes in `nodes()` to leave out.
+(`check`) rather than spawning procs on it; `listeners` hear of each lost host (a direct
+call to a dead proc may wait long for Monarch's supervision: a run abandons its step).
+Replacing a lost host is the client's: a new allocation (a run restarted there from its
+checkpoint), its nodes in `nodes()` to leave out.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from colocate.resources.faults import Faults
@@ -46,6 +48,7 @@ class LostHosts:
     def __init__(self, job: HostJob, faults: Faults) -> None:
         self.job, self.faults = job, faults
         self.lost: dict[int, LostHost] = {}
+        self.listeners: list[Callable[[LostHost], None]] = []  # told of each, on the loop
 
     def name(self, host: int) -> str:
         """`host 1 (Slurm job 41005, node c41n2)`; `host 1 (processes)` elsewhere."""
@@ -85,6 +88,8 @@ class LostHosts:
         logger.warning("lost %s: %s", name, why)
         procs = {(host, pid) for pid in self.faults.watched().get(host, ())}
         self.faults.lost(self.faults.on_procs(procs), f"{name} was lost ({why})")
+        for listener in list(self.listeners):
+            listener(found)
 
     def nodes(self) -> list[str]:
         """The Slurm nodes of the lost hosts."""

@@ -111,6 +111,11 @@ class Recovery:
             self.stepping = None
 
     async def _abandon_step(self, event: RestartEvent) -> None:
+        self.abandon()
+
+    def abandon(self, lost: LostHost | None = None) -> None:
+        """Cancel the step under way (a host was `lost`: its calls to procs there may wait
+        long for Monarch's own report of them)."""
         if self.stepping is not None:
             self.stepping.cancel()
 

@@ -68,6 +68,7 @@ class Runtime:
         self.training = asyncio.Lock()  # held from a train step through its weight sync
         self.resyncs = 0  # generator replicas given the weights after a respawn
         self.moves: StepTraffic | None = None  # what the switches moved, step by step
+        self.down = False  # the runtime was shut down for new hosts that did not come
         self.threads_before: str | None = None  # OMP_NUM_THREADS before run.cpu_threads ("": unset)
 
     async def start(self, checkpoint: Path | None = None) -> None:
@@ -98,6 +99,7 @@ class Runtime:
         self.rm = await init(run.scheduler, hosts=run.hosts,
                              gpus_per_host=run.slots if run.colocate else 2 * run.slots,
                              arbiter=self.arbiter, timeout_s=run.host_timeout_s, **options)
+        self.rm.lost_hosts.listeners.append(self.recovery.abandon)
 
     async def _spawn(self) -> None:
         """The trainer over every slot of every host, the generator (and the reference)."""
@@ -141,8 +143,10 @@ class Runtime:
         leave_out = tuple(self.rm.lost_hosts.nodes()[:1])
         began = time.monotonic()
         await self.rm.shutdown(grace_s=2.0)
+        self.down = True  # until new hosts are up: nothing left to stop
         stopped = time.monotonic()
         await self._start_hosts(leave_out)
+        self.down = False
         started = time.monotonic()
         await self._spawn()
         return {"stop_s": stopped - began, "hosts_s": started - stopped,
@@ -192,7 +196,8 @@ class Runtime:
 
     async def stop(self) -> None:
         """Shut the runtime down, every service with it."""
-        await self.rm.shutdown()
+        if not self.down:
+            await self.rm.shutdown()
         if self.threads_before is not None:  # later runs in this process start as before
             if self.threads_before:
                 os.environ["OMP_NUM_THREADS"] = self.threads_before
