@@ -104,13 +104,16 @@ class LostHosts:
 
 
 def _node_state(node: str) -> str:
-    """Slurm's state of `node` (`down* (Not responding)`...), "" without sinfo."""
+    """Slurm's state of `node` and its reason (`down (Not responding)`), "" without sinfo."""
     if shutil.which("sinfo") is None:
         return ""
     try:
-        done = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T %E"],
+        done = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T|%E"],
                               capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return ""
-    line = done.stdout.strip().splitlines()
-    return " ".join(line[0].split()) if line else ""
+    lines = done.stdout.strip().splitlines()
+    if not lines:
+        return ""
+    state, _, reason = lines[0].partition("|")
+    return state + (f" ({reason.strip()})" if reason.strip() not in ("", "none") else "")
