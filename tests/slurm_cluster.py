@@ -1,6 +1,6 @@
 """The `slurm_cluster` fixture: a real Slurm cluster on this machine for the tests marked
 `slurm`, started once per session by `tests/slurm/local_cluster.sh` (munged, slurmctld and
-two slurmd nodes, each with its own name and loopback address) and stopped at the end with
+three slurmd nodes, each with its own name and loopback address) and stopped at the end with
 everything its jobs started.
 
 Where Slurm cannot run here (not root, the packages missing, no UTS namespaces) the tests
@@ -13,14 +13,16 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 SCRIPT = Path(__file__).parent / "slurm" / "local_cluster.sh"
-NODES = 2
+NODES = 3  # runs take 2 hosts: the third is there to replace a lost one
 PACKAGES = "apt-get install slurmctld slurmd slurm-client munge"
 
 
@@ -35,6 +37,27 @@ class SlurmCluster:
         out = subprocess.run(["squeue", "-h", "-o", "%i %T %N"], capture_output=True,
                              text=True, check=True).stdout
         return out.splitlines()
+
+
+def job_processes(job_id: str) -> list[str]:
+    """Live processes (not zombies) started by Slurm job `job_id`, as `pid cmdline`."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if (p.info["status"] != psutil.STATUS_ZOMBIE
+                    and p.environ().get("SLURM_JOB_ID") == job_id):
+                found.append(f"{p.pid} {' '.join(p.info['cmdline'] or [])}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def left_of(job_id: str, within_s: float = 10.0) -> list[str]:
+    """The processes of job `job_id` still alive after `within_s` (they end as it ends)."""
+    end = time.monotonic() + within_s
+    while (left := job_processes(job_id)) and time.monotonic() < end:
+        time.sleep(0.2)
+    return left
 
 
 def why_not() -> str | None:

@@ -9,8 +9,11 @@ client's `ProcWatchClient` sends each host its set when it changed (`watch`: a
 fire-and-forget message, versioned so that the newest wins), and one task per host
 long-polls it (`next_dead`): the call returns as soon as a watched pid stops running
 (checked every `POLL_S`), or empty after `WINDOW_S`, so the client asks again and nothing
-waits on a runtime that went away; what died goes to `on_dead(host, pids)`. Idle, it costs
-each arbiter a pid check every `POLL_S` and one message per host every `WINDOW_S`.
+waits on a runtime that went away; what died goes to `on_dead(host, pids)`. A poll that
+fails (the arbiter's process is gone, and with it its host) goes to `on_lost(host, why)`,
+as does a host whose worker no longer takes connections (`answers(host)`, asked every
+`PROBE_S` where the hosts' job can tell). Idle, it costs each arbiter a pid check every
+`POLL_S` and one message per host every `WINDOW_S`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from colocate import telemetry
 
 POLL_S = 0.1  # how often the watched pids are checked: a dead proc is reported within this
 WINDOW_S = 5.0  # the longest a poll waits before it is asked again
+PROBE_S = 1.0  # how often each host's worker is asked for a connection, where it can be
 CLOSE_S = 2.0  # at stop: how long the arbiters get to answer the polls under way
 logger = logging.getLogger(__name__)
 
@@ -70,8 +74,11 @@ class ProcWatchClient:
     """The client's side: one long-poll task per host over its arbiter's `PidWatch`."""
 
     def __init__(self, arbiter: Callable[[int], Any], hosts: int,
-                 on_dead: Callable[[int, list[int]], None]) -> None:
-        self.arbiter, self.hosts, self.on_dead = arbiter, hosts, on_dead
+                 on_dead: Callable[[int, list[int]], None],
+                 on_lost: Callable[[int, str], None] | None = None,
+                 answers: Callable[[int], bool | None] | None = None) -> None:
+        self.arbiter, self.hosts, self.on_dead, self.on_lost = arbiter, hosts, on_dead, on_lost
+        self.answers = answers
         self.version = 0
         self.sent: dict[int, set[int]] = {}  # host -> the pids it watches
         self.closed = False
@@ -79,6 +86,23 @@ class ProcWatchClient:
 
     def start(self) -> None:
         self._tasks = [asyncio.ensure_future(self._poll(host)) for host in range(self.hosts)]
+        if self.answers is not None and self.on_lost is not None:
+            self._tasks.append(asyncio.ensure_future(self._probe(self.answers, self.on_lost)))
+
+    async def _probe(self, answers: Callable[[int], bool | None],
+                     on_lost: Callable[[int, str], None]) -> None:
+        """Every `PROBE_S`, whether each host's worker still takes connections: a worker
+        gone while its procs live on (they outlive it for a while) is a lost host too."""
+        left = set(range(self.hosts))
+        while not self.closed and left:
+            for host in sorted(left):
+                found = await asyncio.to_thread(answers, host)
+                if found is None:  # the job cannot tell
+                    return
+                if not found and not self.closed:
+                    left.discard(host)
+                    on_lost(host, "its worker stopped taking connections")
+            await asyncio.sleep(PROBE_S)
 
     def watch(self, pids: dict[int, set[int]]) -> None:
         """Watch exactly `pids` (host -> pids) from now on; hosts whose set is unchanged
@@ -96,10 +120,13 @@ class ProcWatchClient:
         while not self.closed:
             try:
                 dead = await self.arbiter(host).next_dead.call_one(WINDOW_S)
-            except Exception as err:  # the arbiter is gone: the runtime is stopping
+            except Exception as err:  # the arbiter is gone: its host, unless we stop
                 if not self.closed:
-                    logger.warning("the proc watch of host %d stopped: %s", host,
-                                   str(err).splitlines()[0] if str(err) else type(err).__name__)
+                    why = str(err).splitlines()[0] if str(err) else type(err).__name__
+                    logger.warning("the proc watch of host %d stopped: %s", host, why)
+                    if self.on_lost is not None:
+                        self.on_lost(host, f"its arbiter stopped answering "
+                                           f"({type(err).__name__})")
                 return
             if dead and not self.closed:
                 self.sent.get(host, set()).difference_update(dead)  # the arbiter dropped them

@@ -34,7 +34,9 @@ class HostJob:
     num_hosts: int
     handle: str | None = None  # the torchx app handle, for torchx schedulers
     logs: str | None = None  # where the workers' logs are, when known
+    nodes: tuple[str, ...] = ()  # each host's node, where the scheduler names them (Slurm)
     _kill: Callable[[], None] | None = field(default=None, repr=False)
+    _answers: Callable[[int], bool] | None = field(default=None, repr=False)
     _owns_hosts: bool = field(default=True, repr=False)
     _stopped: bool = field(default=False, repr=False)
 
@@ -53,6 +55,10 @@ class HostJob:
         finally:
             if self._kill is not None:
                 self._kill()
+
+    def answers(self, host: int) -> bool | None:
+        """Whether host `host`'s worker still takes connections (None: not known here)."""
+        return None if self._answers is None else self._answers(host)
 
     def __enter__(self) -> HostJob:
         return self

@@ -17,7 +17,8 @@ protocol), its `hosts_view.HostsView` (the tenants registered and who is awake),
 clients (services) use its methods, and hear of switches and faults through a
 `Listener`; whether a tenant is ready for a call is decided here, once. Faults are seen
 early: an always-on proc watch (`ProcWatchClient`) has each host's arbiter poll the pids
-of the procs that run spawns. A group's procs can be replaced whole (`restart_group`,
+of the procs that run spawns, and a host whose arbiter stops answering is lost
+(`lost_hosts`). A group's procs can be replaced whole (`restart_group`,
 then `reallocate`), for clients that restart a group.
 Without GPUs, `gpus_per_host` virtual slots (plain CPU procs) stand in for them.
 """
@@ -42,6 +43,7 @@ from colocate.resources.hosts import HostJob
 from colocate.resources.hosts_view import HostsView
 from colocate.resources.in_place import InPlaceCopier
 from colocate.resources.listener import Listener
+from colocate.resources.lost_hosts import LostHosts
 from colocate.resources.packing import Inventory, ResourceError, ResourceRequest
 from colocate.resources.spawning import Spawns
 from colocate.resources.switching import Switchboard
@@ -71,6 +73,7 @@ class ResourceManager:
         self._handoffs = Handoffs(self.view, self.switchboard, InPlaceCopier(
             self.view, self.switchboard, arbiter_config))
         self.spawns = Spawns(self.groups, self.faults, self.switchboard)
+        self.lost_hosts = LostHosts(job, self.faults)  # hosts whose arbiter stopped answering
         self.listeners: list[Listener] = []
 
     @property
@@ -131,6 +134,7 @@ class ResourceManager:
         stop=False)`); spawns left on the old procs are failed (their listeners hear it)
         and forgotten. The owners keep their slots: `reallocate` gives each allocation's
         cells on the new procs, so owners that shared a process share one again."""
+        self.lost_hosts.check(self.groups.get(name).placement.hosts, f"group {name!r}")
         await self.spawns.lose(self.faults.on_procs(self.groups.get(name).host_pids()),
                                f"its resource group {name!r} was restarted")
         group, _ = await self.groups.restart(name, grace_s)
@@ -160,7 +164,7 @@ class ResourceManager:
     async def start(self) -> None:
         """Start the hosts' arbiters, then their watch on the procs."""
         await self.switchboard.start(self.job.mesh, self.gpus_per_host)
-        self.spawns.start_proc_watch(self.job.num_hosts)
+        self.spawns.start_proc_watch(self.job.num_hosts, self.lost_hosts.add, self.job.answers)
 
     # -- switches ----------------------------------------------------------------------
 

@@ -22,9 +22,10 @@ shared file system, as usual on a Slurm cluster. The job inherits this process's
 environment (sbatch's default ``--export=ALL``), and ``PYTHONPATH`` gets the project's root.
 
 ``stop()`` shuts the mesh down, then ``scancel``s the job and waits until Slurm no longer
-lists it. A node that fails (or a worker that dies) ends the whole job step
-(``srun --kill-on-bad-exit``), as Slurm does for a job step by default: the client's mesh
-sees every host of the job lost, and a run comes back with a new allocation.
+lists it. A worker that dies leaves the others running (``srun --kill-on-bad-exit=0``), so
+the client can tell which host it lost (``HostJob.answers``: does the node's worker still
+take connections); a node set down ends the job on every node. Either way the client's
+meshes fail whole, and a run comes back with a new allocation.
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ def start_slurm(n: int, timeout_s: float, *, launcher: str = "auto",
 def _directives(n: int, job_name: str, partition: str | None, time_limit: str | None,
                 gpus_per_node: int | None, cpus_per_task: int | None, mem: str | None,
                 exclusive: bool, sbatch_args: tuple[str, ...]) -> list[str]:
-    lines = [f"--job-name={job_name}", f"--nodes={n}", "--ntasks-per-node=1"]
+    # never requeued: a requeued job would start its workers again under the same ids,
+    # and the client would take them for the hosts it lost
+    lines = [f"--job-name={job_name}", f"--nodes={n}", "--ntasks-per-node=1", "--no-requeue"]
     for flag, value in (("partition", partition), ("time", time_limit),
                         ("gpus-per-node", gpus_per_node), ("cpus-per-task", cpus_per_task),
                         ("mem", mem)):
@@ -127,7 +130,7 @@ class SlurmLaunch:
                  f"#SBATCH --output={self.output}", f"#SBATCH --chdir={os.getcwd()}",
                  f"export {SERVICE_PROC_IDS_ENV}={ids}",
                  f'export PYTHONPATH={shlex.quote(root)}"${{PYTHONPATH:+:$PYTHONPATH}}"',
-                 f"exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 {shlex.quote(self.python)}"
+                 f"exec srun --kill-on-bad-exit=0 --ntasks-per-node=1 {shlex.quote(self.python)}"
                  f" -m {WORKER_MODULE} --slurm --port-base {port}"]
         return "\n".join(lines) + "\n"
 
@@ -158,6 +161,7 @@ class SlurmLaunch:
             raise
         logger.info("slurm: %d hosts up in job %s on %s", self.n, self.job_id, ",".join(nodes))
         return HostJob(mesh, "slurm", self.n, handle=self.job_id, logs=self.output,
+                       nodes=tuple(nodes), _answers=lambda host: _listening(nodes[host], port),
                        _kill=lambda: self.cancel(remove_logs=True))
 
     def _state(self) -> tuple[str, str, str]:
@@ -231,6 +235,15 @@ def _attach(workers: list[str], proc_ids: list[Any]) -> Any:
     configure(default_transport=transport)
     return attach_to_workers(ca="trust_all_connections",
                              workers=service_proc_addrs(workers, proc_ids))
+
+
+def _listening(node: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether a worker takes connections on `node`:`port` (refused or silent: it does not)."""
+    try:
+        with socket.create_connection((node, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def _hostname_routable() -> bool:

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -177,9 +178,12 @@ class Spawns:
         # name -> its actor mesh and procs per host, for usage()
         self._tenant_actors: dict[str, tuple[Any, int]] = {}
 
-    def start_proc_watch(self, hosts: int) -> None:
-        """Have each of the `hosts`' arbiters watch the procs that run spawns from now on."""
-        self.proc_watch = ProcWatchClient(self.switchboard.arbiter, hosts, self._procs_died)
+    def start_proc_watch(self, hosts: int, on_lost: Callable[[int, str], None],
+                         answers: Callable[[int], bool | None]) -> None:
+        """Have each of the `hosts`' arbiters watch the procs that run spawns from now on;
+        a host found lost goes to `on_lost(host, why)`."""
+        self.proc_watch = ProcWatchClient(self.switchboard.arbiter, hosts, self._procs_died,
+                                          on_lost, answers)
         self.proc_watch.start()
 
     def _procs_died(self, host: int, pids: list[int]) -> None:

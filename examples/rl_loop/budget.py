@@ -69,9 +69,9 @@ def tenant_sizes(cfg: RLConfig, model_dir: Path, rank: int | None = 0) -> dict[s
         model = transformers.AutoModelForCausalLM.from_config(config)
     params = list(model.parameters())  # tied: once
     whole = sum(p.numel() * p.element_size() for p in params)
-    slots = cfg.run.slots
-    sharded = cfg.trainer.parallel == "fsdp" and slots > 1 and rank is not None
-    mine = sum(shard_bytes(p, rank or 0, slots) for p in params) if sharded else whole
+    slots, world = cfg.run.slots, cfg.run.slots * cfg.run.hosts  # the trainer's ranks
+    sharded = cfg.trainer.parallel == "fsdp" and world > 1 and rank is not None
+    mine = sum(shard_bytes(p, rank or 0, world) for p in params) if sharded else whole
     tenants = ["generator"] + (["reference"] if cfg.grpo.beta > 0 else []) + ["trainer"]
     sizes = {t: {s: (units * mine, kept) for s, (units, kept) in STAGES[t].items()}
              for t in tenants}
@@ -97,9 +97,11 @@ def shard_bytes(param: torch.Tensor, rank: int, world: int) -> int:
 
 def slot_sizes(cfg: RLConfig, model_dir: Path) -> list[dict[str, Size]]:
     """The tenants each slot of the run holds, with their sizes there: colocated, all of
-    them on each of `run.slots`; apart (`run.colocate=false`), the trainer (and the
-    reference) on those and the generator alone on as many more."""
-    per_rank = [tenant_sizes(cfg, model_dir, rank) for rank in range(cfg.run.slots)]
+    them on each of `run.slots` of every host (in rank order); apart
+    (`run.colocate=false`), the trainer (and the reference) on those and the generator alone
+    on as many more."""
+    per_rank = [tenant_sizes(cfg, model_dir, rank)
+                for rank in range(cfg.run.slots * cfg.run.hosts)]
     if cfg.run.colocate:
         return per_rank
     return ([{t: s for t, s in sizes.items() if t != "generator"} for sizes in per_rank]

@@ -46,6 +46,7 @@ from examples.rl_loop.tools import ToolsConfig
 DEFAULT = Path(__file__).with_name("config.yaml")
 ENGINES = ("torch", "vllm")
 POLICIES = ("budget", "exclusive")  # the arbiter's (colocate.arbiter.policy)
+SCHEDULERS = ("local", "processes", "slurm")  # and torchx:<name> (colocate.resources.hosts)
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,11 @@ class RunConfig:
     eval_every: int = 50  # the held-out evaluation every N steps (and at the end)
     seed: int = 0  # sampling and the prompts' order
     engine: str = "torch"  # the generator: "torch" (built-in) or "vllm"
-    slots: int = 1  # GPUs, or CPU procs standing in for them; trainer and generator share
+    slots: int = 1  # GPUs, or CPU procs standing in for them, per host; trainer and generator share
+    hosts: int = 1  # hosts the run spans: the trainer over every slot of every host
+    scheduler: str = "local"  # where the hosts come from: local (this one), processes (local
+    # subprocess hosts), slurm (sbatch, one node a host), torchx:<scheduler>
+    host_timeout_s: float = 300.0  # the hosts' start may take this long, queueing included
     colocate: bool = True  # False: trainer and generator on separate slots (for comparison)
     out: str = "runs/rl_loop"  # the run's directory: plots, metrics.json, checkpoints, model
     wandb: bool = False  # also log to Weights & Biases, offline (`wandb sync` uploads)
@@ -148,6 +153,16 @@ class RunConfig:
                 raise ValueError(f"run.{name}={getattr(self, name)}: must be >= 0")
         if not self.resume:
             raise ValueError("run.resume='': use auto, none or a checkpoint directory")
+        if self.hosts < 1:
+            raise ValueError(f"run.hosts={self.hosts}: must be >= 1")
+        if self.scheduler not in SCHEDULERS and not re.fullmatch(r"torchx:\w+", self.scheduler):
+            raise ValueError(f"run.scheduler={self.scheduler!r}: use one of {SCHEDULERS} or "
+                             "torchx:<scheduler> (torchx:local_cwd, torchx:slurm...)")
+        if self.scheduler == "local" and self.hosts > 1:
+            raise ValueError(f"run.hosts={self.hosts} with run.scheduler=local, which is this "
+                             "one host: give run.scheduler=processes (local hosts) or slurm")
+        if not self.host_timeout_s > 0:
+            raise ValueError(f"run.host_timeout_s={self.host_timeout_s}: must be > 0")
         if self.policy not in POLICIES:
             raise ValueError(f"run.policy={self.policy!r}: use one of {POLICIES}")
         if self.slot_memory != "auto" and not re.fullmatch(

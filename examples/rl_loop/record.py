@@ -143,7 +143,8 @@ class RunRecord:
             f"tiny {model['architecture']} ({model['hidden_size']} wide, {model['layers']} layers)"
         run = cfg["run"]
         return (f"GRPO: {name}, {run['steps']} steps, lr {cfg['grpo']['lr']:g}, "
-                f"{run['engine']} on {run['slots']} slot(s)")
+                f"{run['engine']} on {run['slots']} slot(s)"
+                + (f" x {run['hosts']} hosts" if run.get("hosts", 1) > 1 else ""))
 
     def _plot_memory(self, path: Path) -> None:
         """The whole run, and (once there are three) the last three steps up close, where
@@ -167,7 +168,8 @@ class RunRecord:
     def _series(self, since: float) -> dict[str, list[tuple[float, float]]]:
         """Per slot, from `since` on (with the reading in force then): (t, MiB) of what each
         tenant holds, and of their total, the figure a GPU's memory must fit."""
-        slots = self.config.get("run", {}).get("slots", 1)
+        run = self.config.get("run", {})
+        slots = run.get("slots", 1) * run.get("hosts", 1)
         tenants = sorted({r["tenant"] for r in self.memory})
         held = {tenant: 0.0 for tenant in tenants}
         series: dict[str, list[tuple[float, float]]] = {t: [] for t in [*tenants, "total"]}

@@ -14,6 +14,15 @@ process again. This module does what only the loop can do around that:
    from the checkpoint's step. Because a resumed run is the same run, the steps redone give
    the metrics they gave before.
 
+A lost host (its worker gone: a Slurm task killed, a node set down; the runtime's proc
+watch sees it within a second and names it, `colocate.resources.lost_hosts`) cannot come
+back in place: the run stops what is left of its runtime and asks the scheduler for
+`run.hosts` new hosts (Slurm leaves the lost host's node out), spawns its services there
+(`Runtime.replace_hosts`), and goes on as after a group restart, from the newest complete
+checkpoint. When none come within `run.host_timeout_s`, the run stops with
+`HostsLostError`, naming the host lost and what it waited for; `run.resume=auto` on a new
+allocation finishes it.
+
 A failure with no restart behind it (an endpoint's own error), a restart that failed, or
 more than `run.max_restarts` restarts end the run with the cause.
 """
@@ -24,9 +33,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from colocate.resources.host_job import HostStartError
+from colocate.resources.lost_hosts import LostHost
 from examples.rl_loop.config import RLConfig
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.rollouts import Rollouts
@@ -52,20 +64,41 @@ class Recovering(Protocol):
     async def load(self, checkpoint: Path | None) -> None: ...
 
 
+class Hosts(Protocol):
+    """What the recovery uses of the runtime (`runtime.Runtime`) after a lost host."""
+
+    def lost_hosts(self) -> list[LostHost]: ...
+
+    async def replace_hosts(self) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """What brought the run's services back: a group restart, or new hosts."""
+
+    cause: str
+    detected_at: float  # time.time() when the failure was seen
+    seconds: float  # from then until the services were back
+    hosts: dict[str, Any] | None = None  # after a lost host: the new hosts' start
+
+
 class Recovery:
     """The loop's side of its trainer group's restarts, once it `follow`s them."""
 
     restarts: GroupRestarts
+    hosts: Hosts
 
     def __init__(self, loop: Recovering) -> None:
         self.loop = loop
         self.stepping: asyncio.Future | None = None  # the step under way
         self.events = 0  # restarts seen when the step under way began
 
-    def follow(self, restarts: GroupRestarts) -> None:
+    def follow(self, restarts: GroupRestarts, hosts: Hosts) -> None:
         """Go on after each of `restarts` (the trainer's group's, followed before its
-        services are spawned): a restart first abandons the step under way."""
-        self.restarts = restarts
+        services are spawned), and after a host of `hosts` is lost: a restart first
+        abandons the step under way."""
+        self.restarts, self.hosts = restarts, hosts
+        self.events = len(restarts.events)
         restarts.on_restart.append(self._abandon_step)
 
     async def run(self, step: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
@@ -78,6 +111,11 @@ class Recovery:
             self.stepping = None
 
     async def _abandon_step(self, event: RestartEvent) -> None:
+        self.abandon()
+
+    def abandon(self, lost: LostHost | None = None) -> None:
+        """Cancel the step under way (a host was `lost`: its calls to procs there may wait
+        long for Monarch's own report of them)."""
         if self.stepping is not None:
             self.stepping.cancel()
 
@@ -93,6 +131,8 @@ class Recovery:
         if len(record.restarts) + again >= run.max_restarts:
             raise RuntimeError(f"a proc of the run was lost again after {run.max_restarts} "
                                f"restart(s) (run.max_restarts): {event.cause}") from failure
+        if event.hosts is not None:
+            event = await self._new_hosts(event, failure)
         found = loop.saves.checkpoints.complete()
         path = found[-1] if found else None
         state = LoopState.read(path / "loop.json") if path else LoopState(
@@ -112,23 +152,58 @@ class Recovery:
             "cause": event.cause, "restart_s": event.seconds,
             "load_and_sync_s": time.monotonic() - loading,
             "seconds_lost": time.time() - event.detected_at
-            + sum(row["step_s"] for row in redone)})
+            + sum(row["step_s"] for row in redone), **(event.hosts or {})})
         logger.warning("restart %d: going on from step %d (%d step(s) to redo) after: %s",
                        len(record.restarts), state.step, index - state.step, event.cause)
         return state.step
 
-    async def _restart_for(self, failure: BaseException) -> RestartEvent:
-        """The restart of the trainer's group that `failure` came with, once it has ended;
-        `failure` itself when none began within the proc watch's detection time."""
+    async def _restart_for(self, failure: BaseException) -> Restarted:
+        """The restart of the trainer's group that `failure` came with, once it has ended,
+        or the hosts lost with it (their replacement is `_new_hosts`'); `failure` itself
+        when neither began within the proc watch's detection time."""
         deadline = time.monotonic() + RESTART_SEEN_S
         while not self.restarts.running and len(self.restarts.events) == self.events:
+            if self.hosts.lost_hosts():
+                return self._lost()
             if isinstance(failure, asyncio.CancelledError) or time.monotonic() > deadline:
                 raise failure
             await asyncio.sleep(0.05)
-        if self.restarts.running:
-            await asyncio.shield(self.restarts.task)
+        while self.restarts.running:  # a restart on a lost host is left to the shutdown
+            if self.hosts.lost_hosts():
+                return self._lost()
+            await asyncio.wait({self.restarts.task}, timeout=0.1)
         event = self.restarts.events[-1]
+        if self.hosts.lost_hosts():  # the restart failed on the lost host, or came first
+            return self._lost()
         if event.error is not None:
             raise RuntimeError(f"the run's slots did not come back after a lost proc: "
                                f"{event.error}") from failure
-        return event
+        return Restarted(event.cause, event.detected_at, event.seconds)
+
+    def _lost(self) -> Restarted:
+        """The lost hosts as the restart's cause: the first seen, and those lost with it."""
+        lost = self.hosts.lost_hosts()
+        first, others = lost[0], [h.name for h in lost[1:]]
+        cause = f"lost {first.name}: {first.why}" + (
+            f" (lost with it: {', '.join(others)})" if others else "")
+        return Restarted(cause, first.detected_at, 0.0, {"hosts_lost": [h.name for h in lost],
+                                                          "lost_at": first.detected_at})
+
+    async def _new_hosts(self, event: Restarted, failure: BaseException) -> Restarted:
+        """The run on new hosts (`Runtime.replace_hosts`), or a one-line error naming what
+        was lost and what it waited for when none came within `run.host_timeout_s`."""
+        run = self.loop.cfg.run
+        logger.warning("%s; asking %s for %d new host(s)", event.cause, run.scheduler, run.hosts)
+        try:
+            times = await self.hosts.replace_hosts()
+        except HostStartError as err:
+            waited = str(err).splitlines()[0]
+            raise HostsLostError(
+                f"{event.cause.split(':')[0]}; no replacement within run.host_timeout_s="
+                f"{run.host_timeout_s:g} s: {waited}") from failure
+        return Restarted(event.cause, event.detected_at, time.time() - event.detected_at,
+                         {**(event.hosts or {}), **times})
+
+
+class HostsLostError(RuntimeError):
+    """A host of the run was lost and no replacement came within run.host_timeout_s."""

@@ -21,6 +21,7 @@ async def spawn_reference(cfg: RLConfig, model_dir: str, group: str,
     """The reference service: one replica over the trainer's procs, in its group, with its
     restart policy (a restarted group brings the reference back with the same weights)."""
     return await spawn_service(
-        ServiceConfig(procs_per_host=cfg.run.slots, resource_group=group, **restart),
+        ServiceConfig(hosts_per_replica=cfg.run.hosts, procs_per_host=cfg.run.slots,
+                      resource_group=group, **restart),
         ReferenceActor, model_dir, name="reference", parallel=cfg.trainer.parallel,
         mixed_precision=cfg.trainer.mixed_precision)

@@ -22,6 +22,8 @@ from colocate import init, phase
 from colocate.engines.actors import GeneratorActor, TrainerActor
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
+from colocate.resources.lost_hosts import LostHost
+from colocate.resources.packing import ResourceRequest
 from examples.rl_loop import task
 from examples.rl_loop.budget import StepTraffic, arbiter_config
 from examples.rl_loop.config import RLConfig
@@ -69,6 +71,8 @@ class Runtime:
         self.reference: Service | None = None
         self.training = asyncio.Lock()  # held from a train step through its weight sync
         self.resyncs = 0  # generator replicas given the weights after a respawn
+        self.moves: StepTraffic | None = None  # what the switches moved, step by step
+        self.down = False  # the runtime was shut down for new hosts that did not come
         self.threads_before: str | None = None  # OMP_NUM_THREADS before run.cpu_threads ("": unset)
 
     async def start(self, checkpoint: Path | None = None) -> None:
@@ -84,20 +88,41 @@ class Runtime:
             # run on a thread of their own, each with a team of this many: see README)
             self.threads_before = os.environ.get("OMP_NUM_THREADS", "")
             os.environ["OMP_NUM_THREADS"] = str(run.cpu_threads)
-        path = str(self.model_dir)
-        slots = run.slots if run.colocate else 2 * run.slots
         self.arbiter = arbiter_config(self.cfg, self.model_dir, torch.cuda.is_available())
-        self.rm = await init("local", gpus_per_host=slots, arbiter=self.arbiter)
+        await self._start_hosts()
+        await self._spawn()
+        await self.load(checkpoint)
+        await self._count_moves()
+
+    async def _start_hosts(self, leave_out: tuple[str, ...] = ()) -> None:
+        """`run.hosts` hosts from `run.scheduler`, with `run.slots` slots each (twice as
+        many apart); Slurm leaves out the nodes `leave_out` (those of lost hosts)."""
+        run = self.cfg.run
+        options = {"sbatch_args": (f"--exclude={','.join(leave_out)}",)} \
+            if leave_out and run.scheduler == "slurm" else {}
+        self.rm = await init(run.scheduler, hosts=run.hosts,
+                             gpus_per_host=run.slots if run.colocate else 2 * run.slots,
+                             arbiter=self.arbiter, timeout_s=run.host_timeout_s, **options)
+        self.rm.lost_hosts.listeners.append(self.recovery.abandon)
+
+    async def _spawn(self) -> None:
+        """The trainer over every slot of every host, the generator (and the reference, and
+        the tools' service)."""
+        run, path = self.cfg.run, str(self.model_dir)
         groups = ("rl", "rl") if run.colocate else ("train", "generate")
+        if not run.colocate:  # the generator's slots: as many as the trainer's, on each host
+            await self.rm.reserve(ResourceRequest(groups[1], run.hosts, run.slots))
         # a lost trainer proc restarts the trainer's whole group, whose services come back
         # in the same processes as before, and the loop reloads its last checkpoint
-        # (`recovery.Recovery`); with run.max_restarts=0 the trainer does not come back: a trainer
-        # back at step 0 would be a silent restart
-        self.recovery.follow(group_restarts(groups[0]))
+        # (`recovery.Recovery`); a lost host brings the run back on new hosts
+        # (`replace_hosts`); with run.max_restarts=0 the trainer does not come back: a
+        # trainer back at step 0 would be a silent restart
+        self.recovery.follow(group_restarts(groups[0]), self)
         restart = {"restart": "group"} if run.max_restarts else {"respawn": False}
         restart.update(call_bound(self.cfg))
         self.trainer = await spawn_service(
-            ServiceConfig(procs_per_host=run.slots, resource_group=groups[0], **restart),
+            ServiceConfig(hosts_per_replica=run.hosts, procs_per_host=run.slots,
+                          resource_group=groups[0], **restart),
             TrainerActor, path, lr=self.cfg.grpo.lr,
             max_grad_norm=self.cfg.grpo.max_grad_norm, name="trainer",
             **vars(self.cfg.trainer))
@@ -109,9 +134,31 @@ class Runtime:
             self.reference = await spawn_reference(self.cfg, path, groups[0], restart)
         if self.cfg.tools.used:  # CPU procs of their own: a dying tool costs a call
             self.tools = await ToolClient.spawn(self.cfg.tools, rm=self.rm)
-        await self.load(checkpoint)
+
+    async def _count_moves(self) -> None:
         self.moves = StepTraffic(self.rm)  # what each step's switches move, from here on
         await self.moves.since_last(self.services())
+
+    def lost_hosts(self) -> list[LostHost]:
+        """The hosts this runtime lost, in the order they were seen."""
+        return list(self.rm.lost_hosts.lost.values())
+
+    async def replace_hosts(self) -> dict[str, float]:
+        """After a lost host: stop what is left of the runtime (its job cancelled), then
+        start it on `run.hosts` new hosts (Slurm: leaving out the lost host's node) with
+        its services; the caller loads the checkpoint (`load`). Raises HostStartError when
+        none come within `run.host_timeout_s`. Returns where the time went."""
+        leave_out = tuple(self.rm.lost_hosts.nodes()[:1])
+        began = time.monotonic()
+        await self.rm.shutdown(grace_s=2.0)
+        self.down = True  # until new hosts are up: nothing left to stop
+        stopped = time.monotonic()
+        await self._start_hosts(leave_out)
+        self.down = False
+        started = time.monotonic()
+        await self._spawn()
+        return {"stop_s": stopped - began, "hosts_s": started - stopped,
+                "spawn_s": time.monotonic() - started}
 
     async def load(self, checkpoint: Path | None) -> None:
         """The trainer loads `checkpoint` (None: it keeps the weights it has), then the
@@ -120,14 +167,16 @@ class Runtime:
             async with phase(self.trainer):
                 await self.trainer.load_checkpoint.route(str(checkpoint / "trainer"))
         await sync_weights(self.trainer, self.generator)
+        if self.moves is not None and self.moves.rm is not self.rm:  # on new hosts: from here
+            await self._count_moves()
 
     def _generator_service(self, group: str, restart: dict[str, Any]
                            ) -> tuple[ServiceConfig, dict[str, Any]]:
         """The generator's service config and engine options. The torch engine: one
-        replica per slot; vLLM on several slots: one replica over all of them (tp x dp
-        ranks, called SPMD), the node-scale hybrid engine. Beside the trainer it takes the
-        trainer's restart policy (one per group); on slots of its own, a lost replica is
-        respawned alone and given the weights (`_resync`)."""
+        replica per slot of every host; vLLM on several slots: one replica over all of them,
+        on every host (tp x dp ranks, called SPMD), the node-scale hybrid engine. Beside the
+        trainer it takes the trainer's restart policy (one per group); on slots of its own,
+        a lost replica is respawned alone and given the weights (`_resync`)."""
         run, options = self.cfg.run, {"engine": self.cfg.run.engine,
                                       "max_batch": self.cfg.generator.max_batch}
         if run.engine == "torch" and self.cfg.generator.session_cache_mb:
@@ -136,14 +185,16 @@ class Runtime:
         shape = {"resource_group": group, **call_bound(self.cfg), **(restart if shared else {})}
         if run.engine == "torch":
             # every wake comes with the trainer's weights (a sync): keep none across sleeps
-            config = ServiceConfig(num_replicas=run.slots, **shape)
+            config = ServiceConfig(num_replicas=run.slots * run.hosts, **shape)
             options["keep_weights"] = False
-        elif run.slots == 1:
+        elif run.slots * run.hosts == 1:
             config = ServiceConfig(**shape)
         else:
             tp = self.cfg.generator.tensor_parallel_size
-            config = ServiceConfig(procs_per_host=run.slots, **shape)
-            options.update(tensor_parallel_size=tp, data_parallel_size=run.slots // tp)
+            config = ServiceConfig(hosts_per_replica=run.hosts, procs_per_host=run.slots,
+                                   **shape)
+            options.update(tensor_parallel_size=tp,
+                           data_parallel_size=run.slots * run.hosts // tp)
         return config, options
 
     async def _resync(self, replica: Replica) -> None:
@@ -155,7 +206,8 @@ class Runtime:
 
     async def stop(self) -> None:
         """Shut the runtime down, every service with it."""
-        await self.rm.shutdown()
+        if not self.down:
+            await self.rm.shutdown()
         if self.threads_before is not None:  # later runs in this process start as before
             if self.threads_before:
                 os.environ["OMP_NUM_THREADS"] = self.threads_before

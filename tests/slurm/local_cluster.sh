@@ -137,7 +137,7 @@ start() {
         echo "SelectType=select/cons_tres"
         echo "SelectTypeParameters=CR_Core"
         echo "MpiDefault=none"
-        echo "ReturnToService=2"
+        echo "ReturnToService=1"  # a node set down stays down until RESUME
         echo "MinJobAge=2"
         echo "KillWait=5"
         echo "SlurmdTimeout=30"
