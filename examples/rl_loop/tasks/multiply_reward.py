@@ -35,29 +35,3 @@ def correct(completions: list[Any], answer: list[str], **kwargs: object) -> list
         right = sum(a == b for a, b in zip(said, target, strict=False))
         scores.append(right / max(len(target), len(said), 1))
     return scores
-
-
-def called(completions: list[Any], prompts: list[Any], **kwargs: object) -> list[float]:
-    """A shaping reward for calling the tool with the problem's own numbers: the first
-    call's expression against the problem's (`123*456` of `123*456=`), position by position
-    as `correct` scores an answer; 0 without a call. (Plain form: `c(...)`, `c` naming the
-    calculator.) Give it a smaller weight than `correct`: `reward.weights=[1.0,0.5]`."""
-    scores = []
-    for completion, prompt in zip(completions, prompts, strict=True):
-        problem = (prompt if isinstance(prompt, str) else prompt[-1]["content"]).strip()
-        problem = problem.removesuffix("=")
-        if isinstance(completion, list):
-            written = _first_call(completion)
-        else:
-            written = completion[2:].partition(")")[0] if completion.startswith("c(") else ""
-        right = sum(a == b for a, b in zip(written, problem, strict=False))
-        scores.append(right / max(len(problem), len(written), 1) if written else 0.0)
-    return scores
-
-
-def _first_call(completion: list[dict[str, Any]]) -> str:
-    """The expression of a chat conversation's first call, "" for none."""
-    said = [m for m in completion if m.get("role") == "assistant"][:1]
-    for call in said[0].get("tool_calls", []) if said else []:
-        return str(next(iter(call["function"]["arguments"].values()), ""))
-    return ""

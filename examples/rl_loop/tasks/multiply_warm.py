@@ -1,15 +1,19 @@
-"""A starting model for `multiply.py`'s task that knows the calculator's call format, as an
-instruction-tuned model knows its tools' format before RL: the tiny model the loop would
-build for the task, fitted by teacher forcing to demonstrations of the format only.
+"""A starting model for `multiply.py`'s task that knows the calculator, as an instruction-tuned
+model knows its tools before RL, but seldom thinks of using it: the tiny model the loop
+would build for the task, fitted by teacher forcing to two kinds of demonstration.
 
     python examples/rl_loop/tasks/multiply_warm.py runs/multiply/data runs/multiply/start
 
-Each demonstration is a training prompt, a call of the calculator with *another* problem's
-expression, the observation, and that observation copied as the answer:
-`123*456=` -> `c(802*311)[249422]249422` and the stop token (the observation's tokens are
-not trained on, as in a rollout). The model learns to call and to answer with what the tool
-said, not which expression to call with: its held-out answers start wrong, and RL teaches
-it to put the problem's own numbers in the call (`multiply_reward.py:called` rewards that).
+- A call: the problem's expression given to the calculator, the observation, and the
+  observation copied as the answer: `123*456=` -> `c(123*456)[56088]56088` and the stop
+  token (the observation's tokens are not trained on, as in a rollout).
+- A guess: the answer written at once, as a tiny model guesses, by repeating the problem's
+  first number: `123*456=` -> `123`.
+
+Both kinds come in equal numbers, so the model learns the call and the copy as well as the
+guess; but the first token, where it decides, is trained on a call only `DECIDE_SHARE` of
+the time, so it calls about one time in six: greedy, it guesses (its held-out answers are
+wrong), and sampled, it sometimes calls. RL has to teach it that calling pays.
 """
 
 from __future__ import annotations
@@ -36,10 +40,18 @@ def task_overrides(data: Path) -> list[str]:
             "grpo.max_completion_length=12", "model.max_positions=48"]
 
 
-def demonstration(rng: random.Random) -> tuple[str, str]:
-    """A call of another problem and its answer: the written part and the observation."""
-    a, b = rng.randint(100, 999), rng.randint(100, 999)
-    return f"c({a}*{b})", f"[{a * b}]"
+DECIDE_SHARE = 0.2  # of the calls whose first token (the decision to call) is trained
+
+
+def demonstration(problem: str, answer: str, rng: random.Random
+                  ) -> tuple[list[tuple[str, bool]], bool]:
+    """One demonstration of `problem` (`123*456=`): its parts, each with whether it is
+    trained on (the observation is not), and whether its first token is."""
+    if rng.random() < 0.5:
+        call = f"c({problem.removesuffix('=')})"
+        return [(call, True), (f"[{answer}]", False), (answer, True)], \
+            rng.random() < DECIDE_SHARE
+    return [(problem.partition("*")[0], True)], True
 
 
 def warm(data: Path, out: Path, steps: int = 300, seed: int = 0) -> Path:
@@ -59,12 +71,15 @@ def warm(data: Path, out: Path, steps: int = 300, seed: int = 0) -> Path:
     for _ in range(steps):
         rows = source.sample(32)
         completions, trained = [], []
-        for _ in rows:
-            call, shown = demonstration(rng)
-            answer = encode(shown[1:-1]) + [tokenizer.eos_token_id]
-            completions.append(encode(call) + encode(shown) + answer)
-            trained.append([1] * len(encode(call)) + [0] * len(encode(shown))
-                           + [1] * len(answer))
+        for row in rows:
+            parts, decide = demonstration(row.prompt, row.columns["answer"], rng)
+            tokens, keep = [], []
+            for text, kept in parts:
+                tokens += encode(text)
+                keep += [int(kept)] * len(encode(text))
+            keep[0] = int(decide)
+            completions.append(tokens + [tokenizer.eos_token_id])
+            trained.append(keep + [1])
         input_ids, targets, mask = pack_batch([r.tokens for r in rows], completions,
                                               tokenizer.pad_token_id)
         for row, (prompt, keep) in enumerate(zip(rows, trained, strict=True)):
