@@ -66,7 +66,6 @@ from colocate.engines.checkpoint_files import (
     CheckpointWriteError,
     CorruptCheckpointError,
     check_same_model,
-    is_complete,  # noqa: F401  (examples/rl_loop)
     one_line,
     read_info,
     swap_into_place,

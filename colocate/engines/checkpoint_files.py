@@ -79,7 +79,7 @@ def read_info(path: str | os.PathLike) -> dict[str, Any]:
         raise IncompleteCheckpointError(
             f"{path} is not a complete trainer checkpoint: {' and '.join(missing)} missing "
             "(a save that never finished, or another kind of directory); use an earlier "
-            "checkpoint (checkpoint.is_complete tells them apart)")
+            "checkpoint (checkpoint_files.is_complete tells them apart)")
     try:
         info = json.loads((path / INFO).read_text())
     except (OSError, ValueError) as err:

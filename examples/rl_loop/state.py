@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from colocate.engines.checkpoint import is_complete
+from colocate.engines.checkpoint_files import is_complete
 
 FORMAT = 1
 # The settings that make a run what it is: a resume that changes one is a different run.
