@@ -201,6 +201,10 @@ class RLConfig:
         if self.tools.used and self.rollout.partial:
             raise ValueError("tools.funcs with rollout.mode=partial: episodes that span steps "
                              "are not built yet; use rollout.mode=sync")
+        if self.grpo.dynamic_sampling and self.rollout.partial:
+            raise ValueError("grpo.dynamic_sampling=true with rollout.mode=partial: a partial "
+                             "step trains the groups its token budget finished, it has no "
+                             "rounds to refill; use rollout.mode=sync")
         if self.env.cls is not None:
             raise ValueError("env.cls: environments are not wired into the loop yet; give "
                              "the episode's tools in tools.funcs")

@@ -30,7 +30,7 @@ import torch
 from colocate.engines.sampling import Completion, PrefixCounts, SamplingParams
 from examples.rl_loop.data import Row
 from examples.rl_loop.grpo import GRPOConfig
-from examples.rl_loop.rollouts import Generate, Rollout, RolloutConfig, Rollouts
+from examples.rl_loop.rollouts import Generate, Rollout, RolloutConfig, Rollouts, Score
 from examples.rl_loop.tool_calls import (
     ParsedTurn,
     observations,
@@ -151,22 +151,20 @@ def make_transcript(tokenizer: Any, schemas: list[dict[str, Any]], form: str) ->
 
 class AgentRollouts(Rollouts):
     """Episodes with tools (see module), `rollout.mode=sync`: each step's groups of
-    episodes run to their ends."""
+    episodes run to their ends (with `grpo.dynamic_sampling`, `Rollouts.dynamic`'s
+    rounds of them)."""
 
     def __init__(self, source: Any, generate: Generate,
                  sampling: Callable[[int], SamplingParams], grpo: GRPOConfig, max_batch: int,
                  rollout: RolloutConfig, transcript: Transcript, tools: Callable[[], Any],
-                 max_positions: int, generate_turns: GenerateTurns) -> None:
-        super().__init__(source, generate, sampling, grpo, max_batch)
+                 max_positions: int, generate_turns: GenerateTurns,
+                 score: Score | None = None) -> None:
+        super().__init__(source, generate, sampling, grpo, max_batch, score)
         self.cfg, self.transcript, self.tools = rollout, transcript, tools
         self.max_positions, self.generate_turns = max_positions, generate_turns
         self.sticky = True  # each episode's turns on its replica (a benchmark turns it off)
         self.calls = 0  # episodes() calls so far: each episode's session id is unique
         self.prefix = PrefixCounts()  # this call's turns: their earlier tokens reused or not
-
-    async def generate(self, index: int) -> Rollout:
-        rows = self.source.sample(self.grpo.prompts_per_step)
-        return await self.episodes(rows, self.sampling(index), self.grpo.group_size)
 
     async def episodes(self, rows: list[Row], params: SamplingParams, copies: int
                        ) -> Rollout:
@@ -190,7 +188,24 @@ class AgentRollouts(Rollouts):
                        trained=[e.trained for e in episodes],
                        conversations=[e.messages if e.row.chat else None for e in episodes],
                        extra_rewards=[self.cfg.bad_call_reward if e.bad_calls else 0.0
-                                      for e in episodes])
+                                      for e in episodes],
+                       episodes=episodes)
+
+    def merged_metrics(self, rounds: list[Rollout], kept: Rollout) -> dict[str, Any]:
+        """A dynamically sampled step's figures: the episodes' over those kept (what is
+        trained on); the tools' calls and the prefix reuse over every round's (the work
+        done), and finished_samples counts every episode run."""
+        tools: dict[str, Any] = {}
+        for rollout in rounds:
+            for key, value in rollout.metrics.items():
+                if key.startswith("tools/"):
+                    tools[key] = tools.get(key, 0) + value
+        tools["tools/seconds"] = round(tools["tools/seconds"], 4)
+        prefix = PrefixCounts(0, *(sum(r.metrics[key] for r in rounds) for key in
+                                   ("prefix_reused_tokens", "prefix_recomputed_tokens")))
+        return {**episode_metrics(kept.episodes),
+                "finished_samples": sum(len(r.completions) for r in rounds),
+                **tools, **prefix_metrics(prefix)}
 
     def _room(self, episode: Episode) -> int:
         """New tokens the episode may still have (its length limit, the model's positions)."""

@@ -46,6 +46,11 @@ class GRPOConfig:
     lr: float = 1e-3
     max_grad_norm: float = 1.0
     eps: float = 1e-6  # added to the std the advantages are divided by
+    # DAPO's dynamic sampling: groups whose rewards are all equal (no advantage) are dropped
+    # and more prompts generated until prompts_per_step groups are left, in at most
+    # max_gen_batches rounds of prompts_per_step prompts (`rollouts.Rollouts.dynamic`)
+    dynamic_sampling: bool = False
+    max_gen_batches: int = 3
 
     def __post_init__(self) -> None:
         if not 0 < self.epsilon < 1:
@@ -55,7 +60,7 @@ class GRPOConfig:
         if self.group_size < 2:
             raise ValueError(f"GRPOConfig.group_size={self.group_size}: must be >= 2 "
                              "(a group of one has no relative advantage)")
-        for name in ("prompts_per_step", "updates_per_batch"):
+        for name in ("prompts_per_step", "updates_per_batch", "max_gen_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GRPOConfig.{name}={getattr(self, name)}: must be >= 1")
         for name in ("temperature", "lr", "max_grad_norm", "eps"):

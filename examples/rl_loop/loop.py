@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -97,19 +98,20 @@ class Loop:
 
     def _rollouts(self) -> Rollouts:
         """The rollouts of `rollout.mode`, drawing from the source and sampling with each
-        step's seed."""
+        step's seed (the sync ones with the loop's scoring, for dynamic sampling)."""
         cfg = self.cfg
         parts = (self.source, lambda tokens, params: self.runtime.generate_ids(tokens, params),
                  self.sampling, cfg.grpo, cfg.generator.max_batch)
         if cfg.rollout.partial:
             return PartialRollouts(*parts, cfg.rollout, self.model_dir)
+        score = functools.partial(self._score, copies=cfg.grpo.group_size)
         if cfg.tools.used:
             transcript = make_transcript(self.tokenizer, tool_schemas(cfg.tools),
                                          cfg.rollout.tool_format)
             return AgentRollouts(*parts, cfg.rollout, transcript, lambda: self.runtime.tools,
                                  max_positions(self.model_dir),
-                                 lambda *args: self.runtime.generate_turns(*args))
-        return Rollouts(*parts)
+                                 lambda *args: self.runtime.generate_turns(*args), score)
+        return Rollouts(*parts, score)
 
     def _refused(self, err: Exception) -> None:
         """A run refused at its start (a bad data file, column, reward function...) still
@@ -254,8 +256,11 @@ class Loop:
     async def _scored(self, index: int, rollout: Rollout
                       ) -> tuple[dict[str, Any], dict[str, Any], float | None]:
         """Step `index`'s rollout scored by the reward functions: the training batch
-        (group-relative advantages), its statistics and its importance weight's cap."""
-        result = await self._score(f"step {index}", rollout, self.cfg.grpo.group_size)
+        (group-relative advantages), its statistics and its importance weight's cap; a
+        rollout that comes scored (dynamic sampling) is not scored again."""
+        result = rollout.scored
+        if result is None:
+            result = await self._score(f"step {index}", rollout, self.cfg.grpo.group_size)
         batch, stats = await asyncio.to_thread(scored_batch, rollout.tokens,
                                                rollout.completions, result, self.cfg.grpo,
                                                self.pad_id)
