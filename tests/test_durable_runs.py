@@ -113,6 +113,22 @@ def test_a_resume_with_other_settings_is_refused_naming_them(tmp_path):
     assert "run.resume=none" in message
 
 
+def test_a_checkpoint_without_a_later_field_resumes_at_its_default_only(tmp_path):
+    """A field the saving loop did not have (added since, with a default) is that default
+    in its checkpoint: the run resumes as the same run, unless it sets the field."""
+    defaults = as_dict(load_config())
+    older = dict(defaults, grpo={k: v for k, v in defaults["grpo"].items()
+                                 if k != "dynamic_sampling"})
+    checkpoints = Checkpoints(tmp_path, keep_last=2)
+    path = fake_checkpoint(checkpoints, 10, older)
+    assert find_resume("auto", checkpoints, defaults, defaults)[0] == path
+    with pytest.raises(ResumeError, match=r"grpo.dynamic_sampling \(False -> True\)"):
+        find_resume("auto", checkpoints,
+                    as_dict(load_config(overrides=["grpo.dynamic_sampling=true"])), defaults)
+    with pytest.raises(ResumeError, match="grpo.dynamic_sampling"):  # no defaults: differs
+        find_resume("auto", checkpoints, defaults)
+
+
 def test_a_corrupt_loop_state_says_what_to_do(tmp_path):
     config = as_dict(load_config())
     checkpoints = Checkpoints(tmp_path, keep_last=2)

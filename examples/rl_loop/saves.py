@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from colocate.engines.checkpoint import WRITING, CheckpointWriteError
-from examples.rl_loop.config import RLConfig
+from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.rollouts import Rollouts
 from examples.rl_loop.state import Checkpoints, LoopState, find_resume, identity
@@ -118,7 +118,8 @@ class Saves:
 
     def resume(self) -> tuple[Path, LoopState] | None:
         """The checkpoint to go on from (`run.resume`), its loop state restored here."""
-        found = find_resume(self.cfg.run.resume, self.checkpoints, self.record.config)
+        found = find_resume(self.cfg.run.resume, self.checkpoints, self.record.config,
+                            as_dict(RLConfig()))
         if found is None:
             if self.cfg.run.resume == "none" and (removed := self.checkpoints.clear()):
                 logger.warning("run.resume=none: removed %d checkpoint(s) of an earlier run "

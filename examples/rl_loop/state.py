@@ -112,13 +112,16 @@ def identity(config: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-def changed(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """The dotted fields whose values differ, `field (saved -> now)`, leaves only."""
-    out = []
+def changed(saved: dict[str, Any], now: dict[str, Any],
+            defaults: dict[str, Any] | None = None) -> list[str]:
+    """The dotted fields whose values differ, `field (saved -> now)`, leaves only. A field
+    `saved` lacks (the loop that saved it had no such field) counts as its value in
+    `defaults`, so adding a field with a default keeps older checkpoints resumable."""
+    out, defaults = [], defaults or {}
     for key in sorted(set(saved) | set(now)):
-        old, new = saved.get(key), now.get(key)
+        old, new = saved.get(key, defaults.get(key)), now.get(key)
         if isinstance(old, dict) and isinstance(new, dict):
-            out += [f"{key}.{item}" for item in changed(old, new)]
+            out += [f"{key}.{item}" for item in changed(old, new, defaults.get(key))]
         elif old != new:
             out.append(f"{key} ({old!r} -> {new!r})")
     return out
@@ -162,11 +165,12 @@ def _complete(path: Path) -> bool:
     return (path / "loop.json").is_file() and is_complete(path / "trainer")
 
 
-def find_resume(resume: str, checkpoints: Checkpoints, config: dict[str, Any]
-                ) -> tuple[Path, LoopState] | None:
+def find_resume(resume: str, checkpoints: Checkpoints, config: dict[str, Any],
+                defaults: dict[str, Any] | None = None) -> tuple[Path, LoopState] | None:
     """The checkpoint `run.resume` names (`auto`: the newest complete one under run.out,
     else None; `none`: None; a directory: that checkpoint, or the newest under it), with its
-    loop state, checked against this run's settings."""
+    loop state, checked against this run's settings (`defaults`: the default
+    configuration, for the fields the saving loop did not have)."""
     if resume == "none":
         return None
     if resume == "auto":
@@ -189,7 +193,8 @@ def find_resume(resume: str, checkpoints: Checkpoints, config: dict[str, Any]
                                   "directory: give an earlier one")
             path = under[-1]
     state = LoopState.read(path / "loop.json")
-    differ = changed(state.identity, identity(config))
+    differ = changed(state.identity, identity(config),
+                     identity(defaults) if defaults is not None else None)
     if differ:
         raise ResumeError(
             f"{path} was saved by a run with other settings: {', '.join(differ)}. A resumed "
