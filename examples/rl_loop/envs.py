@@ -9,18 +9,43 @@ instance per trajectory, built with no arguments, then
                                                   the trajectory ends there
 
 where messages are chat messages (`{"role": ..., "content": ...}`) and `assistant_message`
-is the model's turn as one. Either method may be `async def`. `reset_env` and `step_env` call
-them and check what they return, raising `EnvError` naming the class and what was wrong.
+is the model's turn as one. Either method may be `async def`; a plain one runs on a thread
+of its own, so that a slow environment does not hold the loop's event loop. `reset_env` and
+`step_env` call them and check what they return, raising `EnvError` naming the class and
+what was wrong.
+
+`Environments` is the run's side: the class loaded once (a bad spec, or a constructor that
+fails, refused in one line before any proc starts), then an instance per episode
+(`Environments.open`), each call bounded by `env.timeout_s`. A fault is handled by where it
+happens:
+
+- `reset` raising, returning no messages or the wrong shape, or running past the bound: an
+  `EnvError` naming the class and the row, which fails the step (the episode has no prompt
+  without its opening, and the same row would fail again).
+- `step` raising or running past the bound: that episode ends there (`env_error`), logged
+  naming the class and the row, counted in `env/errors` (`env/errors/raised`,
+  `env/errors/timeout`); the other episodes go on. A hung call's thread is left behind (a
+  thread cannot be stopped), a daemon one, so it never holds the run's exit.
+- `step` returning the wrong shape: an `EnvError` naming what was expected (a bug of the
+  class, which every step would hit).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import logging
+import math
+import threading
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from colocate.loading import load_function
+from examples.rl_loop.data import Row
 
+logger = logging.getLogger(__name__)
 Message = dict[str, Any]
 
 
@@ -34,6 +59,7 @@ class EnvConfig:
     """A stateful environment for each trajectory (None: none)."""
 
     cls: str | None = None  # module:Class or path/to/file.py:Class (see examples.rl_loop.envs)
+    timeout_s: float = 10.0  # one reset or step's limit; a step past it ends its episode
 
     def __post_init__(self) -> None:
         if self.cls is not None:
@@ -41,6 +67,12 @@ class EnvConfig:
             if not module or not name:
                 raise ValueError(f"env.cls: {self.cls!r}: write module:Class or "
                                  "path/to/file.py:Class")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"env.timeout_s={self.timeout_s}: must be a number > 0")
+
+    @property
+    def used(self) -> bool:
+        return self.cls is not None
 
 
 @runtime_checkable
@@ -54,7 +86,8 @@ class Environment(Protocol):
 
 def load_env(spec: str) -> type[Environment]:
     """The class `spec` names, checked to be a class with `reset` and `step` methods that
-    can be built with no arguments; `EnvError` in one line otherwise."""
+    can be built with no arguments, and built once here (a constructor that fails is
+    refused now, not at the first episode); `EnvError` in one line otherwise."""
     cls = load_function(spec, "env.cls", EnvError)
     if not inspect.isclass(cls):
         raise EnvError(f"env.cls: {spec}: a {type(cls).__name__}, not a class: give a class "
@@ -69,26 +102,154 @@ def load_env(spec: str) -> type[Environment]:
     except TypeError as err:
         raise EnvError(f"env.cls: {spec}: {cls.__name__}() must take no arguments, one "
                        f"instance per trajectory ({err})") from None
+    try:
+        cls()
+    except Exception as err:
+        raise EnvError(f"env.cls: {spec}: {cls.__name__}() raised {type(err).__name__}: "
+                       f"{_first_line(err)}") from err
     return cls
 
 
 async def reset_env(env: Environment, row: dict[str, Any]) -> list[Message]:
-    """`env.reset(row)`, awaited if async, its messages checked."""
-    messages = await _maybe_await(env.reset(row))
-    return _checked_messages(env, "reset", messages)
+    """`env.reset(row)` (awaited if async, on a thread if not), its messages checked: at
+    least one, the conversation's opening."""
+    messages = _checked_messages(env, "reset", await _call(env.reset, row))
+    if not messages:
+        raise EnvError(f"{type(env).__name__}.reset returned no messages: expected the "
+                       "conversation's opening, at least one message")
+    return messages
 
 
 async def step_env(env: Environment, assistant_message: Message) -> tuple[list[Message], bool]:
-    """`env.step(assistant_message)`, awaited if async, its (messages, done) checked."""
-    got = await _maybe_await(env.step(assistant_message))
+    """`env.step(assistant_message)` (awaited if async, on a thread if not), its
+    (messages, done) checked."""
+    got = await _call(env.step, assistant_message)
     if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], bool)):
         raise EnvError(f"{type(env).__name__}.step returned {_show(got)}: expected a tuple "
                        "(messages, done) with done a bool")
     return _checked_messages(env, "step", got[0]), got[1]
 
 
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
+async def _call(method: Callable[..., Any], *args: Any) -> Any:
+    """`method(*args)`: awaited when it is `async def`, else on a thread of its own (and
+    what it returns awaited, if it returns an awaitable)."""
+    if inspect.iscoroutinefunction(method):
+        return await method(*args)
+    got = await _on_thread(method, *args)
+    return await got if inspect.isawaitable(got) else got
+
+
+async def _on_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on a daemon thread: not `asyncio.to_thread`, whose pool's threads the
+    interpreter joins at exit, so that a call that never returns holds nothing up once its
+    waiter has given up on it (its result, if it ever comes, is dropped)."""
+    loop = asyncio.get_running_loop()
+    settled = loop.create_future()
+
+    def settle(result: Any, error: Exception | None) -> None:
+        if settled.done():  # its waiter gave up (the call's bound)
+            return
+        if error is None:
+            settled.set_result(result)
+        else:
+            settled.set_exception(error)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except Exception as err:
+            result, error = None, err
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
+            pass
+
+    threading.Thread(target=run, daemon=True,
+                     name=f"env-{getattr(fn, '__qualname__', 'call')}").start()
+    return await settled
+
+
+@dataclass
+class EpisodeEnv:
+    """One episode's environment instance, and what its steps came to."""
+
+    env: Environment
+    row: str  # the row it was reset on, shown short: the log names it
+    timeout_s: float
+    steps: int = 0
+    done: bool = False  # a step said the episode ends
+    error: str | None = None  # the step that ended it: "raised" or "timeout"
+
+    async def step(self, message: Message) -> list[Message] | None:
+        """`step(message)` within the bound: its observations (`done` recorded), or None
+        when it raised or ran past the bound (the episode ends there: logged, counted). A
+        wrong return shape raises `EnvError`."""
+        name = type(self.env).__name__
+        self.steps += 1
+        try:
+            messages, self.done = await asyncio.wait_for(step_env(self.env, message),
+                                                         self.timeout_s)
+            return messages
+        except EnvError:
+            raise
+        except TimeoutError:
+            self.error, what = "timeout", f"ran past env.timeout_s={self.timeout_s}"
+        except Exception as err:
+            self.error, what = "raised", f"raised {type(err).__name__}: {_first_line(err)}"
+        logger.warning("env %s.step on row %s %s: its episode ends here", name, self.row, what)
+        return None
+
+
+class Environments:
+    """`env.cls` for a run: loaded and checked here, then an instance per episode, reset
+    on its data row (`open`), each call bounded by `env.timeout_s` (see module)."""
+
+    def __init__(self, cfg: EnvConfig, prompt_key: str = "prompt") -> None:
+        if cfg.cls is None:
+            raise ValueError("Environments: env.cls is not set")
+        self.cls, self.timeout_s, self.prompt_key = load_env(cfg.cls), cfg.timeout_s, prompt_key
+
+    async def open(self, row: Row) -> tuple[EpisodeEnv, list[Message]]:
+        """A new instance, reset on `row`'s columns (its prompt under `data.prompt_key`
+        among them), and the opening messages it returned. `EnvError` naming the class and
+        the row when the constructor or `reset` raises, runs past the bound or returns
+        something else than messages."""
+        columns = {self.prompt_key: row.prompt, **row.columns}
+        shown, name = _show(columns), self.cls.__name__
+
+        async def opened() -> tuple[Environment, list[Message]]:
+            env = await _on_thread(self.cls)
+            return env, await reset_env(env, columns)
+
+        try:
+            env, messages = await asyncio.wait_for(opened(), self.timeout_s)
+        except EnvError as err:
+            raise EnvError(f"env.cls: {err} (row {shown})") from None
+        except TimeoutError:
+            raise EnvError(f"env.cls: {name}() and reset on row {shown} ran past "
+                           f"env.timeout_s={self.timeout_s}") from None
+        except Exception as err:
+            raise EnvError(f"env.cls: {name}() or reset on row {shown} raised "
+                           f"{type(err).__name__}: {_first_line(err)}") from err
+        return EpisodeEnv(env, shown, self.timeout_s), messages
+
+
+def contents(messages: list[Message]) -> str:
+    """The messages' contents one after another: the plain form of an environment's
+    messages, for a model without a chat template."""
+    return "".join("" if m["content"] is None else str(m["content"]) for m in messages)
+
+
+def env_metrics(envs: list[EpisodeEnv]) -> dict[str, Any]:
+    """A step's episodes' environments in figures: `env/steps` (all its episodes'),
+    `env/errors` and one `env/errors/<kind>` each (raised, timeout), `env/done_share` (the
+    share of episodes a step ended with done)."""
+    errors = Counter(e.error for e in envs if e.error is not None)
+    row: dict[str, Any] = {"env/steps": sum(e.steps for e in envs),
+                           "env/errors": sum(errors.values()),
+                           "env/done_share": sum(e.done for e in envs) / max(1, len(envs))}
+    row.update({f"env/errors/{kind}": n for kind, n in sorted(errors.items())})
+    return row
 
 
 def _checked_messages(env: Environment, method: str, messages: Any) -> list[Message]:
@@ -103,3 +264,7 @@ def _checked_messages(env: Environment, method: str, messages: Any) -> list[Mess
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 120 else text[:120] + "..."
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else ""
