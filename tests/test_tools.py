@@ -365,8 +365,7 @@ def test_the_tools_and_env_sections_are_config_fields():
     assert load_config().tools.funcs == [] and load_config().env.cls is None
     # what the loop cannot run yet is refused, naming what to do instead
     for more, match in [([], "tools.funcs needs data.train_files"),
-                        ([*task, "rollout.mode=partial"], "rollout.mode=partial: episodes"),
-                        ([*task, "env.cls=my_env:Counter"], "env.cls: environments are not")]:
+                        ([*task, "rollout.mode=partial"], "rollout.mode=partial: episodes")]:
         with pytest.raises(ValueError, match=match):
             load_config(overrides=[f"tools.funcs={CALCULATOR}", *more])
     for override, match in [("tools.workers=0", "tools.workers=0: must be >= 1"),

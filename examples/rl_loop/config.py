@@ -205,9 +205,12 @@ class RLConfig:
             raise ValueError("grpo.dynamic_sampling=true with rollout.mode=partial: a partial "
                              "step trains the groups its token budget finished, it has no "
                              "rounds to refill; use rollout.mode=sync")
-        if self.env.cls is not None:
-            raise ValueError("env.cls: environments are not wired into the loop yet; give "
-                             "the episode's tools in tools.funcs")
+        if self.env.used and not self.data.used:
+            raise ValueError("env.cls needs data.train_files: the rows each episode's "
+                             "reset(row) opens from (and reward.funcs to score them)")
+        if self.env.used and self.rollout.partial:
+            raise ValueError("env.cls with rollout.mode=partial: episodes that span steps "
+                             "are not built yet; use rollout.mode=sync")
         if self.rollout.overlap and self.run.policy == "exclusive" and self.run.colocate:
             raise ValueError("rollout.overlap=true generates beside the training, but "
                              "run.policy=exclusive keeps one tenant awake a slot: use "

@@ -28,6 +28,17 @@ happens:
   thread cannot be stopped), a daemon one, so it never holds the run's exit.
 - `step` returning the wrong shape: an `EnvError` naming what was expected (a bug of the
   class, which every step would hit).
+
+In an episode (`episodes.AgentRollouts`): the opening is the prompt, rendered by the chat
+template (the plain form of the tiny model: the messages' contents one after another, so
+they must use the data's characters); a turn that ends at its stop token without a tool
+call (tools, where given, run first) goes to `step` as `{"role": "assistant", "content":
+...}` without the stop token; the observations are appended as a tool's results are
+(plain: their contents), never trained on; `done` ends the episode, and so does
+`rollout.max_turns`. The last turn's step runs too and its observations are kept (the
+reward functions see what the environment said last); an observation that does not fit
+the episode's room ends it as an overflow, unappended. The reward functions' prompt for a
+group is its first episode's opening (every one's, when `reset` depends on the row alone).
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ import math
 import threading
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 from colocate.loading import load_function
@@ -47,6 +58,8 @@ from examples.rl_loop.data import Row
 
 logger = logging.getLogger(__name__)
 Message = dict[str, Any]
+# a transcript's `opening`: messages as a `Row`'s prompt, its text and its tokens
+Render = Callable[[list[Message]], tuple[Any, str, list[int]]]
 
 
 class EnvError(ValueError):
@@ -209,11 +222,14 @@ class Environments:
             raise ValueError("Environments: env.cls is not set")
         self.cls, self.timeout_s, self.prompt_key = load_env(cfg.cls), cfg.timeout_s, prompt_key
 
-    async def open(self, row: Row) -> tuple[EpisodeEnv, list[Message]]:
+    async def open(self, row: Row, render: Render, max_positions: int
+                   ) -> tuple[EpisodeEnv, Row]:
         """A new instance, reset on `row`'s columns (its prompt under `data.prompt_key`
-        among them), and the opening messages it returned. `EnvError` naming the class and
-        the row when the constructor or `reset` raises, runs past the bound or returns
-        something else than messages."""
+        among them), and the episode's row: `row` with the opening messages `reset`
+        returned as its prompt (`render`: a transcript's `opening`). `EnvError` naming the
+        class and the row when the constructor or `reset` raises, runs past the bound or
+        returns something else than messages, or when the opening leaves the model
+        (`max_positions`) no room to write."""
         columns = {self.prompt_key: row.prompt, **row.columns}
         shown, name = _show(columns), self.cls.__name__
 
@@ -231,7 +247,12 @@ class Environments:
         except Exception as err:
             raise EnvError(f"env.cls: {name}() or reset on row {shown} raised "
                            f"{type(err).__name__}: {_first_line(err)}") from err
-        return EpisodeEnv(env, shown, self.timeout_s), messages
+        prompt, text, tokens = render(messages)
+        if len(tokens) >= max_positions:
+            raise EnvError(f"env.cls: {name}.reset on row {shown}: its opening is "
+                           f"{len(tokens)} tokens, the model has {max_positions} positions")
+        return EpisodeEnv(env, shown, self.timeout_s), replace(row, prompt=prompt, text=text,
+                                                               tokens=tokens)
 
 
 def contents(messages: list[Message]) -> str:

@@ -16,6 +16,11 @@ workers), so a turn costs one decoding pass and the slowest of its tool calls, n
 each per episode. A turn's batch is the same for the same seed, whatever the tools' timing:
 the same seed gives the same run. The reward functions get the whole conversation: the
 messages after the prompt (chat rows), or the transcript's text (text rows).
+
+With an environment (`env.cls`), each episode has an instance of its own: its `reset`
+messages are the prompt, a turn that ends at its stop token without a tool call goes to its
+`step`, whose observations are appended as a tool's results are, and `done` ends the
+episode (`envs.py` tells the rules).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 
 from colocate.engines.sampling import Completion, PrefixCounts, SamplingParams
 from examples.rl_loop.data import Row
+from examples.rl_loop.envs import Environments, EpisodeEnv, Message, contents, env_metrics
 from examples.rl_loop.grpo import GRPOConfig
 from examples.rl_loop.rollouts import Generate, Rollout, RolloutConfig, Rollouts, Score
 from examples.rl_loop.tool_calls import (
@@ -64,7 +70,8 @@ class Episode:
     tool_errors: int = 0
     tool_seconds: float = 0.0
     computed: int = 0  # tokens whose keys and values a turn computed, from the prompt's start
-    ended: str = ""  # answer (its stop token), length, max_turns, overflow
+    ended: str = ""  # answer (its stop token), length, max_turns, overflow; done, env_error
+    env: EpisodeEnv | None = None  # env.cls: its own instance
 
     def add(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
         """Tokens the model wrote (with their log-probabilities) or an observation's."""
@@ -74,16 +81,17 @@ class Episode:
 
     def completion(self) -> Completion:
         return Completion(list(self.tokens), list(self.logprobs),
-                          stopped=self.ended == "answer", finished=True)
+                          stopped=self.ended in ("answer", "done"), finished=True)
 
 
 class Transcript:
-    """How a turn's text becomes tool calls and their results become the tokens the model
-    reads next: the plain form, for a tokenizer without a chat template (the tiny model)."""
+    """How a turn's text becomes tool calls and their results (or an environment's
+    messages) become the tokens the model reads next: the plain form, for a tokenizer
+    without a chat template (the tiny model). Without tools, a turn has no calls."""
 
     def __init__(self, tokenizer: Any, schemas: list[dict[str, Any]]) -> None:
         self.tokenizer, self.schemas = tokenizer, schemas
-        self.stop_ids = (self._token(")"),)  # a plain call ends with its bracket
+        self.stop_ids = (self._token(")"),) if schemas else ()  # a plain call ends at its ")"
 
     def _token(self, text: str) -> int:
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
@@ -95,8 +103,12 @@ class Transcript:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
+    def said_text(self, text: str) -> str:
+        """A turn's text as its assistant message holds it."""
+        return text
+
     def parse(self, episode: Episode, text: str) -> ParsedTurn:
-        return parse_plain(text, self.schemas)
+        return parse_plain(text, self.schemas) if self.schemas else ParsedTurn(text.strip())
 
     def observation(self, episode: Episode, turn: ParsedTurn, text: str,
                     results: list[Any]) -> list[int]:
@@ -104,6 +116,16 @@ class Transcript:
         shown = "".join(render_plain(r.content, r.error) for r in results)
         shown += "".join(render_plain("", "bad") for _ in turn.bad)
         return self.tokenizer(shown, add_special_tokens=False).input_ids
+
+    def opening(self, messages: list[Message]) -> tuple[Any, str, list[int]]:
+        """An environment's opening as a prompt, text and tokens (`Row`'s): their contents
+        one after another, read as a text row's prompt is (special tokens added)."""
+        text = contents(messages)
+        return text, text, self.tokenizer(text).input_ids
+
+    def env_observation(self, episode: Episode, messages: list[Message]) -> list[int]:
+        """An environment's observation messages as tokens: their contents as they are."""
+        return self.tokenizer(contents(messages), add_special_tokens=False).input_ids
 
 
 class ChatTranscript(Transcript):
@@ -114,22 +136,41 @@ class ChatTranscript(Transcript):
 
     def __init__(self, tokenizer: Any, schemas: list[dict[str, Any]], form: str) -> None:
         self.tokenizer, self.schemas, self.form = tokenizer, schemas, form
-        self.stop_ids = (self._token("</tool_call>"),)
+        self.stop_ids = (self._token("</tool_call>"),) if schemas else ()
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
+    def said_text(self, text: str) -> str:
+        """Without the end-of-turn token: the template writes it after the content."""
+        return text.removesuffix(self.tokenizer.eos_token or "")
+
     def parse(self, episode: Episode, text: str) -> ParsedTurn:
-        text = text.removesuffix(self.tokenizer.eos_token or "")
+        text = self.said_text(text)
+        if not self.schemas:
+            return ParsedTurn(text.strip())
         if self.form == "template":
             return parse_template(self.tokenizer, text, episode.row.text, self.schemas)
         return parse_hermes(text)
 
     def observation(self, episode: Episode, turn: ParsedTurn, text: str,
                     results: list[Any]) -> list[int]:
-        said = [*episode.said, *observations(turn, [r.content for r in results])]
+        return self._after(episode, observations(turn, [r.content for r in results]))
+
+    def opening(self, messages: list[Message]) -> tuple[Any, str, list[int]]:
+        """The chat template's rendering, as a chat row's prompt is."""
+        text = self.tokenizer.apply_chat_template(messages, tools=self.schemas or None,
+                                                  tokenize=False, add_generation_prompt=True)
+        return list(messages), text, self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def env_observation(self, episode: Episode, messages: list[Message]) -> list[int]:
+        return self._after(episode, messages)
+
+    def _after(self, episode: Episode, shown: list[Message]) -> list[int]:
+        """The tokens the template writes after the model's own for `shown` messages."""
+        said = [*episode.said, *shown]
         rendered = self.tokenizer.apply_chat_template(
-            [*episode.row.prompt, *said], tools=self.schemas, tokenize=False,
+            [*episode.row.prompt, *said], tools=self.schemas or None, tokenize=False,
             add_generation_prompt=True)
         written = episode.row.text + self.decode(episode.tokens)
         if not rendered.startswith(written):
@@ -150,17 +191,17 @@ def make_transcript(tokenizer: Any, schemas: list[dict[str, Any]], form: str) ->
 
 
 class AgentRollouts(Rollouts):
-    """Episodes with tools (see module), `rollout.mode=sync`: each step's groups of
-    episodes run to their ends (with `grpo.dynamic_sampling`, `Rollouts.dynamic`'s
-    rounds of them)."""
+    """Episodes with tools or an environment (see module), `rollout.mode=sync`: each
+    step's groups of episodes run to their ends (with `grpo.dynamic_sampling`,
+    `Rollouts.dynamic`'s rounds of them). `tools()` is the tools' client (None: none)."""
 
     def __init__(self, source: Any, generate: Generate,
                  sampling: Callable[[int], SamplingParams], grpo: GRPOConfig, max_batch: int,
                  rollout: RolloutConfig, transcript: Transcript, tools: Callable[[], Any],
                  max_positions: int, generate_turns: GenerateTurns,
-                 score: Score | None = None) -> None:
+                 score: Score | None = None, envs: Environments | None = None) -> None:
         super().__init__(source, generate, sampling, grpo, max_batch, score)
-        self.cfg, self.transcript, self.tools = rollout, transcript, tools
+        self.cfg, self.transcript, self.tools, self.envs = rollout, transcript, tools, envs
         self.max_positions, self.generate_turns = max_positions, generate_turns
         self.sticky = True  # each episode's turns on its replica (a benchmark turns it off)
         self.calls = 0  # episodes() calls so far: each episode's session id is unique
@@ -172,7 +213,14 @@ class AgentRollouts(Rollouts):
         self.calls, self.prefix = self.calls + 1, PrefixCounts()
         episodes = [Episode(row, f"e{self.calls}-{i}")
                     for i, row in enumerate(r for r in rows for _ in range(copies))]
-        stats = self.tools().take_stats()  # this call's counts from here
+        if self.envs is not None:  # each its own instance; its opening, the prompt
+            opened = await asyncio.gather(*(self.envs.open(
+                e.row, self.transcript.opening, self.max_positions) for e in episodes))
+            for episode, (env, row) in zip(episodes, opened, strict=True):
+                episode.env, episode.row = env, row
+        client = self.tools()
+        if client is not None:
+            client.take_stats()  # this call's counts from here
         for turn in range(self.cfg.max_turns):
             going = [e for e in episodes if not e.ended]
             if not going:
@@ -180,11 +228,15 @@ class AgentRollouts(Rollouts):
             await self._turn(going, params, turn)
         for episode in episodes:
             episode.ended = episode.ended or "max_turns"
-        stats = self.tools().take_stats()
-        return Rollout(rows, [e.row.tokens for e in episodes],
-                       [e.completion() for e in episodes], {
-                           **episode_metrics(episodes), **stats.metrics(),
-                           **prefix_metrics(self.prefix)},
+        metrics = episode_metrics(episodes)
+        if client is not None:
+            metrics.update(client.take_stats().metrics())
+        if self.envs is not None:
+            metrics.update(env_metrics([e.env for e in episodes]))
+        return Rollout([episodes[i * copies].row for i in range(len(rows))],
+                       [e.row.tokens for e in episodes],
+                       [e.completion() for e in episodes],
+                       {**metrics, **prefix_metrics(self.prefix)},
                        trained=[e.trained for e in episodes],
                        conversations=[e.messages if e.row.chat else None for e in episodes],
                        extra_rewards=[self.cfg.bad_call_reward if e.bad_calls else 0.0
@@ -193,14 +245,17 @@ class AgentRollouts(Rollouts):
 
     def merged_metrics(self, rounds: list[Rollout], kept: Rollout) -> dict[str, Any]:
         """A dynamically sampled step's figures: the episodes' over those kept (what is
-        trained on); the tools' calls and the prefix reuse over every round's (the work
-        done), and finished_samples counts every episode run."""
+        trained on); the tools' calls, the environments' steps and the prefix reuse over
+        every round's (the work done), and finished_samples counts every episode run."""
         tools: dict[str, Any] = {}
         for rollout in rounds:
             for key, value in rollout.metrics.items():
                 if key.startswith("tools/"):
                     tools[key] = tools.get(key, 0) + value
-        tools["tools/seconds"] = round(tools["tools/seconds"], 4)
+        if "tools/seconds" in tools:
+            tools["tools/seconds"] = round(tools["tools/seconds"], 4)
+        if self.envs is not None:
+            tools.update(env_metrics([e.env for r in rounds for e in r.episodes]))
         prefix = PrefixCounts(0, *(sum(r.metrics[key] for r in rounds) for key in
                                    ("prefix_reused_tokens", "prefix_recomputed_tokens")))
         return {**episode_metrics(kept.episodes),
@@ -228,7 +283,7 @@ class AgentRollouts(Rollouts):
             reused = new.prefix.reused if new.prefix is not None else 0
             self.prefix += PrefixCounts(len(episode.row.tokens) + len(episode.tokens), reused,
                                         max(0, episode.computed - reused))
-        calling = []
+        calling, stepping = [], []
         for (episode, room), new in zip(asked, completions, strict=True):
             kept = min(room, len(new.tokens))
             episode.add(new.tokens[:kept], new.logprobs[:kept])
@@ -238,16 +293,20 @@ class AgentRollouts(Rollouts):
             text = self.transcript.decode(new.tokens[:kept])
             parsed = self.transcript.parse(episode, text)
             episode.messages.append(parsed.as_message())
-            episode.said.append({"role": "assistant", "content": text})
+            episode.said.append({"role": "assistant", "content": self.transcript.said_text(text)})
             last = new.tokens[kept - 1] if kept else None
             if parsed.has_calls and last not in params.stop_token_ids:
                 calling.append((episode, parsed, text))
             elif last in (*params.stop_token_ids, *self.transcript.stop_ids):  # no call
-                episode.ended = "answer"
+                if episode.env is None:
+                    episode.ended = "answer"
+                else:
+                    stepping.append(episode)
             else:
                 episode.ended = "overflow" if kept == room else "length"
-        if turn + 1 < self.cfg.max_turns:  # the last turn's calls would go unread
-            await asyncio.gather(*(self._call_tools(*c) for c in calling))
+        unread = turn + 1 == self.cfg.max_turns  # the last turn's calls would go unread
+        await asyncio.gather(*(self._call_tools(*c) for c in calling if not unread),
+                             *(self._step_env(e) for e in stepping))
 
     async def _generate(self, asked: list[tuple[Episode, int]], params: SamplingParams,
                         turn: int) -> list[Completion]:
@@ -284,6 +343,21 @@ class AgentRollouts(Rollouts):
         episode.tool_seconds += sum(r.seconds for r in results)
         episode.messages += observations(parsed, [r.content for r in results])
         episode.add(self.transcript.observation(episode, parsed, text, list(results)))
+
+    async def _step_env(self, episode: Episode) -> None:
+        """The environment's step on the turn's assistant message: its observations
+        appended (room permitting), its `done` or its failure the episode's end."""
+        shown = await episode.env.step(dict(episode.messages[-1]))
+        if shown is None or episode.env.done:
+            episode.ended = "env_error" if shown is None else "done"
+        if not shown:  # nothing to read (a template would open a turn all the same)
+            return
+        tokens = self.transcript.env_observation(episode, shown)
+        if len(tokens) > self._room(episode):
+            episode.ended = episode.ended or "overflow"
+            return
+        episode.messages += shown
+        episode.add(tokens)
 
     def finish_batch(self, rollout: Rollout, batch: dict[str, torch.Tensor]) -> float | None:
         """Only the model's own tokens are trained on: the observations' are masked."""

@@ -35,6 +35,7 @@ from colocate.engines.sampling import SamplingParams
 from examples.rl_loop.batch import ReferenceLogprobs, losses, scored_batch
 from examples.rl_loop.budget import budget_summary
 from examples.rl_loop.config import RLConfig, as_dict
+from examples.rl_loop.envs import Environments
 from examples.rl_loop.episodes import AgentRollouts, make_transcript
 from examples.rl_loop.hooks import Hooks
 from examples.rl_loop.memory import ProcPeaks, devices_of, resident_per_proc
@@ -105,12 +106,14 @@ class Loop:
         if cfg.rollout.partial:
             return PartialRollouts(*parts, cfg.rollout, self.model_dir)
         score = functools.partial(self._score, copies=cfg.grpo.group_size)
-        if cfg.tools.used:
+        if cfg.tools.used or cfg.env.used:
             transcript = make_transcript(self.tokenizer, tool_schemas(cfg.tools),
                                          cfg.rollout.tool_format)
+            envs = Environments(cfg.env, cfg.data.prompt_key) if cfg.env.used else None
             return AgentRollouts(*parts, cfg.rollout, transcript, lambda: self.runtime.tools,
                                  max_positions(self.model_dir),
-                                 lambda *args: self.runtime.generate_turns(*args), score)
+                                 lambda *args: self.runtime.generate_turns(*args), score,
+                                 envs)
         return Rollouts(*parts, score)
 
     def _refused(self, err: Exception) -> None:
