@@ -1,9 +1,10 @@
 """Multi-turn episodes against a stateful environment (`env.cls`): each episode's own
 instance opens it (`reset`'s messages are the prompt), sees each of the model's turns
 (`step`) and answers with observations (appended, never trained on) until `done` or
-`rollout.max_turns`; an environment that raises or hangs in `step` ends only its episode,
-counted; one that cannot open an episode, or answers in the wrong shape, is an error that
-names the class and what was expected.
+`rollout.max_turns`, with tools' calls run first where there are tools too; an
+environment that raises or hangs in `step` ends only its episode, counted; one that cannot
+open an episode, or answers in the wrong shape, is an error that names the class and what
+was expected.
 
 The model's turns are scripted (`test_episodes.Script`); the environments, tokenizers,
 templates and the loss mask are real. The last test runs the example game
@@ -22,6 +23,7 @@ from test_episodes import EOS, SPECIAL, TEMPLATE, Script, row
 
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
+from colocate.testing import start_runtime
 from examples.rl_loop.config import load_config
 from examples.rl_loop.envs import EnvConfig, EnvError, Environments
 from examples.rl_loop.episodes import AgentRollouts, ChatTranscript, Transcript
@@ -29,8 +31,12 @@ from examples.rl_loop.grpo import GRPOConfig
 from examples.rl_loop.loop import Loop
 from examples.rl_loop.rollouts import RolloutConfig
 from examples.rl_loop.tasks import guess
+from examples.rl_loop.tool_calls import plain_alphabet
+from examples.rl_loop.tools import ToolClient, ToolsConfig, tool_schemas
 
 pytestmark = pytest.mark.timeout(300)
+TASKS = Path(__file__).resolve().parents[1] / "examples" / "rl_loop" / "tasks"
+CALCULATOR = f"{TASKS / 'multiply_tools.py'}:calculator"
 
 ENVS = '''
 import asyncio
@@ -99,8 +105,9 @@ def spec(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
+    alphabet = "".join(sorted(set("0123456789*+=?no" + plain_alphabet(["calculator"]))))
     path = write_tiny_model(tmp_path_factory.mktemp("plain") / "m", "qwen2",
-                            alphabet="0123456789*+=?no", max_positions=64)
+                            alphabet=alphabet, max_positions=64)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
 
@@ -111,11 +118,11 @@ def game(tokenizer, prompt: str, target: str):
 
 
 def rollouts(script: Script, transcript: Transcript, envs: Environments, positions: int = 64,
-             **rollout) -> AgentRollouts:
-    """Episodes with an environment and no tools, turns from `script`."""
+             tools: ToolClient | None = None, **rollout) -> AgentRollouts:
+    """Episodes with an environment (and no tools, unless given), turns from `script`."""
     grpo = GRPOConfig(group_size=2, prompts_per_step=1)  # unused: episodes() is given its rows
     return AgentRollouts(None, script.generate, lambda i: None, grpo, 8,
-                         RolloutConfig(**rollout), transcript, lambda: None, positions,
+                         RolloutConfig(**rollout), transcript, lambda: tools, positions,
                          lambda tokens, params, sessions, sticky: script.generate(tokens,
                                                                                   params),
                          envs=envs)
@@ -162,6 +169,24 @@ async def test_an_episode_opens_steps_and_ends_by_its_environment(plain, spec):
     assert m["episode_ended"] == {"done": 1, "max_turns": 1}
     assert (m["env/steps"], m["env/errors"], m["env/done_share"]) == (5, 0, 0.5)
     assert "tools/calls" not in m
+
+
+async def test_tool_calls_run_first_and_the_environment_steps_on_the_answer(plain, spec):
+    tokenizer = plain
+    envs = Environments(EnvConfig(cls=spec("Hint")))
+    envs.cls.seen.clear()
+    cfg = ToolsConfig(funcs=[CALCULATOR])
+    transcript = Transcript(tokenizer, tool_schemas(cfg))
+    script = Script(tokenizer, {"6*7=": ["c(6*7)", "42" + EOS]}, transcript.stop_ids)
+    async with start_runtime(gpus_per_host=1):
+        client = await ToolClient.spawn(cfg)
+        got = await rollouts(script, transcript, envs, tools=client, max_turns=3).episodes(
+            [game(tokenizer, "6*7=", "42")], params(tokenizer), 1)
+    assert tokenizer.decode(got.completions[0].tokens, skip_special_tokens=True) == \
+        "c(6*7)[42]42"
+    assert [m for _, m in envs.cls.seen] == [{"role": "assistant", "content": "42"}]
+    m = got.metrics
+    assert (m["tools/calls"], m["env/steps"], m["episode_ended"]) == (1, 1, {"done": 1})
 
 
 async def test_a_failing_or_hanging_step_ends_only_its_episode(plain, spec, caplog):
