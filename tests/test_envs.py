@@ -30,6 +30,7 @@ from examples.rl_loop.episodes import AgentRollouts, ChatTranscript, Transcript
 from examples.rl_loop.grpo import GRPOConfig
 from examples.rl_loop.loop import Loop
 from examples.rl_loop.rollouts import RolloutConfig
+from examples.rl_loop.sources import Scored
 from examples.rl_loop.tasks import guess
 from examples.rl_loop.tool_calls import plain_alphabet
 from examples.rl_loop.tools import ToolClient, ToolsConfig, tool_schemas
@@ -187,6 +188,37 @@ async def test_tool_calls_run_first_and_the_environment_steps_on_the_answer(plai
     assert [m for _, m in envs.cls.seen] == [{"role": "assistant", "content": "42"}]
     m = got.metrics
     assert (m["tools/calls"], m["env/steps"], m["episode_ended"]) == (1, 1, {"done": 1})
+
+
+async def test_dynamic_sampling_counts_every_rounds_environment_steps(plain, spec):
+    """With `grpo.dynamic_sampling`, a group without a learning signal is dropped: the
+    batch is the kept group's episodes, the `env/*` figures every round's (the work done)."""
+    tokenizer = plain
+    games = iter([game(tokenizer, "6*7=", "42"), game(tokenizer, "1+2=", "3")])
+    source = type("Source", (), {"sample": lambda self, n: [next(games) for _ in range(n)]})
+    script = Script(tokenizer, {"6*7=": ["42" + EOS, "42" + EOS],
+                                "1+2=": ["3" + EOS, "1" + EOS, "3" + EOS]}, ())
+    rewards = {"6*7=?": [1.0, 1.0], "1+2=?": [0.0, 1.0]}  # by the opening, the rows' prompt
+
+    async def score(where, rollout) -> Scored:
+        return Scored(list(rewards[rollout.rows[0].prompt]))
+
+    rollouts = AgentRollouts(
+        source(), script.generate,
+        lambda index: SamplingParams(max_new_tokens=6, seed=index,
+                                     stop_token_ids=(tokenizer.eos_token_id,)),
+        GRPOConfig(group_size=2, prompts_per_step=1, dynamic_sampling=True, max_gen_batches=2),
+        8, RolloutConfig(max_turns=3), Transcript(tokenizer, []), lambda: None, 64,
+        lambda tokens, params, sessions, sticky: script.generate(tokens, params), score,
+        Environments(EnvConfig(cls=spec("Hint"))))
+    got = await rollouts.generate(0)
+    assert [r.prompt for r in got.rows] == ["1+2=?"] and got.scored.values == [0.0, 1.0]
+    texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in got.completions]
+    assert texts == ["3", "1no3"]
+    m = got.metrics
+    assert (m["env/steps"], m["env/errors"], m["env/done_share"]) == (5, 0, 1.0)
+    assert m["episode_turns_mean"] == 3 / 2 and m["dynamic/groups_dropped"] == 1
+    assert "tools/calls" not in m and "tools/seconds" not in m
 
 
 async def test_a_failing_or_hanging_step_ends_only_its_episode(plain, spec, caplog):
