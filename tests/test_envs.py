@@ -24,13 +24,14 @@ from test_episodes import EOS, SPECIAL, TEMPLATE, Script, row
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
 from colocate.testing import start_runtime
-from examples.rl_loop.config import load_config
+from examples.rl_loop.config import as_dict, load_config
 from examples.rl_loop.envs import EnvConfig, EnvError, Environments
 from examples.rl_loop.episodes import AgentRollouts, ChatTranscript, Transcript
 from examples.rl_loop.grpo import GRPOConfig
 from examples.rl_loop.loop import Loop
 from examples.rl_loop.rollouts import RolloutConfig
 from examples.rl_loop.sources import Scored
+from examples.rl_loop.state import identity
 from examples.rl_loop.tasks import guess
 from examples.rl_loop.tool_calls import plain_alphabet
 from examples.rl_loop.tools import ToolClient, ToolsConfig, tool_schemas
@@ -285,7 +286,9 @@ def test_a_bad_environment_is_refused_in_one_line_before_the_run(spec, tmp_path)
                         (["env.cls=nocolon"], "env.cls: 'nocolon': write module:Class")]:
         with pytest.raises(ValueError, match=match):
             load_config(overrides=[f"env.cls={spec('Hint')}", *more])
-    assert load_config(overrides=[*task, f"env.cls={spec('Hint')}"]).env.timeout_s == 10.0
+    cfg = load_config(overrides=[*task, f"env.cls={spec('Hint')}"])
+    assert cfg.env.timeout_s == 10.0
+    assert identity(as_dict(cfg))["env.cls"] == spec("Hint")  # another env: another run
     guess.write(tmp_path / "data", train_size=8, eval_size=4)
     cfg = load_config(overrides=[*guess.overrides(tmp_path / "data"),
                                  f"env.cls={spec('Fails')}", f"run.out={tmp_path / 'run'}"])

@@ -36,8 +36,9 @@ FORMAT = 1
 # the reward functions run, not what they say).
 IDENTITY = ("model", "task", "data", "reward.funcs", "reward.weights", "reward.on_error",
             "grpo", "run.seed", "run.engine")
-# and `rollout`, once a run is not sync or calls tools (and then `tools.funcs`), so the
-# checkpoints of plain sync runs resume as before
+# and `rollout`, once a run is not sync or calls tools (and then `tools.funcs`), and
+# `env.cls` where an environment steps the episodes, so the checkpoints of plain sync runs
+# resume as before
 
 
 class ResumeError(RuntimeError):
@@ -99,11 +100,13 @@ def identity(config: dict[str, Any]) -> dict[str, Any]:
     """The IDENTITY settings of a resolved configuration (`config.as_dict`), by dotted name."""
     found = {}
     rollout = config.get("rollout", {"mode": "sync"})
-    tools = config.get("tools", {}).get("funcs")
-    if rollout["mode"] != "sync" or tools:
+    tools, env = config.get("tools", {}).get("funcs"), config.get("env", {}).get("cls")
+    if rollout["mode"] != "sync" or tools or env:
         found["rollout"] = rollout
     if tools:  # episodes with tools: which tools they call
         found["tools.funcs"] = tools
+    if env:  # episodes stepped by an environment: which one
+        found["env.cls"] = env
     for name in IDENTITY:
         value: Any = config
         for key in name.split("."):
