@@ -103,9 +103,9 @@ class GeneratorConfig:
     split each call's rows by position). `replicas=per_copy`: each model copy an
     independent replica of `tensor_parallel_size` slots, so an episode's turns all reach
     the copy that holds its prefix in vLLM's cache (the loop routes them by session); it
-    needs slots of its own (`run.colocate=false`), as a one-rank engine cannot join the
-    trainer's torch.distributed world on shared procs. The torch generator is one replica
-    per slot either way."""
+    needs slots of its own (`run.colocate=false`) when there are several copies: an engine
+    of fewer ranks than the trainer cannot share its torch.distributed world. The torch
+    generator is one replica per slot either way."""
 
     tensor_parallel_size: int = 1  # vLLM: ranks per model copy; it divides run.slots
     replicas: str = "spmd"  # vLLM: spmd (one replica over all slots) or per_copy (one per
