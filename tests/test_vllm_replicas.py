@@ -12,11 +12,16 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import transformers  # noqa: E402
+
 from colocate import phase  # noqa: E402
+from colocate.engines.generator import kv_cache_bytes  # noqa: E402
 from colocate.engines.sampling import SamplingParams  # noqa: E402
+from examples.rl_loop.budget import slot_sizes  # noqa: E402
 from examples.rl_loop.config import load_config  # noqa: E402
 from examples.rl_loop.hooks import Hooks  # noqa: E402
 from examples.rl_loop.loop import Loop  # noqa: E402
+from examples.rl_loop.runtime import model_dir  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -118,3 +123,15 @@ def test_generator_replicas_names_the_values_it_takes() -> None:
     load_config(overrides=["run.engine=vllm", "generator.replicas=per_copy", "run.slots=2",
                            "generator.tensor_parallel_size=2"])
     load_config(overrides=["generator.replicas=per_copy", "run.slots=2"])
+
+
+def test_the_budget_holds_a_whole_model_and_its_kv_cache_on_each_copys_slot(tmp_path: Path):
+    cfg = load_config(overrides=[*PER_COPY, f"generator.block_size={BLOCK}"])
+    path = model_dir(cfg, tmp_path)
+    config = transformers.AutoConfig.from_pretrained(path)
+    sizes = slot_sizes(cfg, path)
+    copies = [s["generator"] for s in sizes if "generator" in s]
+    assert len(copies) == 2 and len(sizes) == 4  # the trainer's 2 slots, then the copies'
+    kv = kv_cache_bytes(config.to_dict(), 64, config.max_position_embeddings, BLOCK)
+    whole = sizes[0]["trainer"].stages["weights"][0]  # DDP: the whole model
+    assert all(c.stages == {"weights": (whole, True), "kv_cache": (kv, False)} for c in copies)
