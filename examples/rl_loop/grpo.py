@@ -50,7 +50,7 @@ class GRPOConfig:
     # and more prompts generated until prompts_per_step groups are left, in at most
     # max_gen_batches rounds of prompts_per_step prompts (`rollouts.Rollouts.dynamic`)
     dynamic_sampling: bool = False
-    max_gen_batches: int = 3
+    max_gen_batches: int = 3  # most rounds a step draws; short of groups, it trains on fewer
 
     def __post_init__(self) -> None:
         if not 0 < self.epsilon < 1:
