@@ -10,7 +10,9 @@ the episodes together buys when tools are slow.
    (the calculator behind a 50 ms wait, as a remote tool), run all at once (one batched
    generate call a turn for every episode still going, their tool calls together) against
    one at a time: samples per second (`samples_per_s_ratio`: at once / one at a time) and
-   the generator's busy share (the time inside generate calls / the wall time) for each.
+   the generator's busy share (the time inside generate calls / the wall time) for each;
+   and all at once in `--cohorts` cohorts (`rollout.cohorts`: one cohort decodes while
+   another waits for its tools) against all in lockstep (`cohorts_over_lockstep`).
 3. On two torch generator replicas with a session KV cache (`generator.session_cache_mb`),
    the same episodes with each episode's turns on its own replica (sticky, as the loop
    runs them) against dealt round robin: the share of the turns' earlier tokens computed
@@ -24,7 +26,7 @@ the episodes together buys when tools are slow.
    robin (`prefix_recompute_share_sticky_vllm`, `_round_robin_vllm`).
 
     .venv/bin/python -m bench.agentic [--steps 60] [--warm-steps 300] [--episodes 32]
-                                      [--out FILE]
+                                      [--cohorts 4] [--out FILE]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -141,9 +144,11 @@ async def prefix_shares(loop: Loop, rows: list) -> dict[str, float]:
     return found
 
 
-async def throughput(work: Path, model: Path, episodes: int) -> dict[str, Any]:
+async def throughput(work: Path, model: Path, episodes: int, cohorts: int
+                     ) -> dict[str, Any]:
     """`episodes` episodes of the trained model with 50 ms tools on two torch replicas: the
-    prefix shares, then all at once against one at a time (see module)."""
+    prefix shares, then all at once (in lockstep, and in `cohorts` cohorts) against one at
+    a time (see module)."""
     busy = [0.0]
     async with started(work, model) as loop:
         rollouts, rows = loop.rollouts, loop.source.eval_rows()[:episodes]
@@ -158,12 +163,14 @@ async def throughput(work: Path, model: Path, episodes: int) -> dict[str, Any]:
 
         rollouts.generate_turns = timed  # this bench's own rollouts, timed
         found: dict[str, Any] = await prefix_shares(loop, rows)
-        for arm in ("at_once", "one_at_a_time"):
+        lockstep = rollouts.cfg
+        for arm in ("at_once", "cohorts", "one_at_a_time"):
+            rollouts.cfg = replace(lockstep, cohorts=cohorts if arm == "cohorts" else 1)
             busy[0], began = 0.0, time.monotonic()
-            if arm == "at_once":
-                got = [await rollouts.episodes(rows, loop.greedy, 1)]
-            else:
+            if arm == "one_at_a_time":
                 got = [await rollouts.episodes([r], loop.greedy, 1) for r in rows]
+            else:
+                got = [await rollouts.episodes(rows, loop.greedy, 1)]
             wall = time.monotonic() - began
             calls = sum(g.metrics["tools/calls"] for g in got)
             found[arm] = {"samples_per_s": len(rows) / wall, "wall_s": wall,
@@ -220,6 +227,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="the tool task's GRPO steps")
     parser.add_argument("--warm-steps", type=int, default=300, help="the warm start's")
     parser.add_argument("--episodes", type=int, default=32)
+    parser.add_argument("--cohorts", type=int, default=4, help="the cohorts arm's")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     machine, command = announce()
@@ -231,7 +239,7 @@ def main() -> None:
         evals = [s for s in metrics["steps"] if "eval_reward" in s]
         print(f"tool task: eval {evals[0]['eval_reward']:.3f} -> {evals[-1]['eval_reward']:.3f}"
               f" in {args.steps} steps ({time.monotonic() - began:.0f} s)", flush=True)
-        arms = asyncio.run(throughput(work, model, args.episodes))
+        arms = asyncio.run(throughput(work, model, args.episodes, args.cohorts))
         arms.update(asyncio.run(vllm_prefix(work)))
     trained = [s for s in metrics["steps"] if "episode_tool_calls_mean" in s]
     result = {
@@ -247,8 +255,11 @@ def main() -> None:
             for k, v in found.items()},
         "samples_per_s_ratio": arms["at_once"]["samples_per_s"]
         / arms["one_at_a_time"]["samples_per_s"],
+        "cohorts": args.cohorts,
+        "cohorts_over_lockstep": arms["cohorts"]["samples_per_s"]
+        / arms["at_once"]["samples_per_s"],
         "generator_busy_share": {arm: arms[arm]["generator_busy_share"]
-                                 for arm in ("at_once", "one_at_a_time")},
+                                 for arm in ("at_once", "cohorts", "one_at_a_time")},
         **{k: v for k, v in arms.items() if k.startswith("prefix_")},
     }
     text = json.dumps(result, indent=2)

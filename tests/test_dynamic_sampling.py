@@ -18,13 +18,14 @@ from colocate.engines.sampling import Completion, SamplingParams
 from colocate.engines.tiny import write_tiny_model
 from examples.rl_loop.config import load_config
 from examples.rl_loop.data import Row
-from examples.rl_loop.episodes import AgentRollouts, Transcript
+from examples.rl_loop.episodes import AgentRollouts
 from examples.rl_loop.grpo import GRPOConfig
 from examples.rl_loop.loop import Loop
 from examples.rl_loop.rollouts import ROUND_SEED, RolloutConfig, Rollouts
 from examples.rl_loop.sources import Scored
 from examples.rl_loop.tool_calls import plain_alphabet
 from examples.rl_loop.tools import ToolsConfig, ToolStats, tool_schemas
+from examples.rl_loop.transcripts import Transcript
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -26,7 +26,7 @@ from colocate.engines.tiny import write_tiny_model
 from colocate.testing import start_runtime
 from examples.rl_loop.config import as_dict, load_config
 from examples.rl_loop.envs import EnvConfig, EnvError, Environments
-from examples.rl_loop.episodes import AgentRollouts, ChatTranscript, Transcript
+from examples.rl_loop.episodes import AgentRollouts
 from examples.rl_loop.grpo import GRPOConfig
 from examples.rl_loop.loop import Loop
 from examples.rl_loop.rollouts import RolloutConfig
@@ -35,6 +35,7 @@ from examples.rl_loop.state import identity
 from examples.rl_loop.tasks import guess
 from examples.rl_loop.tool_calls import plain_alphabet
 from examples.rl_loop.tools import ToolClient, ToolsConfig, tool_schemas
+from examples.rl_loop.transcripts import ChatTranscript, Transcript
 
 pytestmark = pytest.mark.timeout(300)
 TASKS = Path(__file__).resolve().parents[1] / "examples" / "rl_loop" / "tasks"

@@ -10,22 +10,25 @@ for sure; the tools, the service, the tokenizers, the templates and the loss are
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench.agentic import SLOW_TOOL
 from colocate.engines.sampling import Completion, SamplingParams
 from colocate.engines.tiny import write_tiny_model
 from colocate.testing import start_runtime
 from examples.rl_loop.batch import GRPOLoss, scored_batch
 from examples.rl_loop.data import Row
-from examples.rl_loop.episodes import AgentRollouts, ChatTranscript, Transcript
+from examples.rl_loop.episodes import AgentRollouts
 from examples.rl_loop.grpo import GRPOConfig
 from examples.rl_loop.rollouts import RolloutConfig
 from examples.rl_loop.sources import Scored
 from examples.rl_loop.tool_calls import plain_alphabet
 from examples.rl_loop.tools import ToolClient, ToolsConfig, tool_schemas
+from examples.rl_loop.transcripts import ChatTranscript, Transcript
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -139,6 +142,61 @@ async def test_an_episode_near_the_models_length_gets_a_call_of_its_own(plain):
     assert sorted(script.budgets) == [5, 10]
     assert [c.stopped for c in got.completions] == [True, False]
     assert got.metrics["episode_ended"] == {"answer": 1, "overflow": 1}
+
+
+class Timed:
+    """The tool client, its calls' windows recorded (monotonic start, end)."""
+
+    def __init__(self, client: ToolClient) -> None:
+        self.client, self.windows = client, []
+
+    async def call(self, name, arguments):
+        start = time.monotonic()
+        try:
+            return await self.client.call(name, arguments)
+        finally:
+            self.windows.append((start, time.monotonic()))
+
+    def take_stats(self):
+        return self.client.take_stats()
+
+
+@pytest.mark.parametrize("cohorts", [1, 2])
+async def test_one_cohort_decodes_while_another_waits_for_its_tools(plain, tmp_path, cohorts):
+    """Two cohorts: a generate call starts while the other cohort's tool calls (50 ms
+    each) are under way, and each cohort's calls are seeded from its first episode's index;
+    in lockstep (one cohort), no generate call meets a tool call. The episodes are the
+    same either way (the script answers by row)."""
+    tokenizer, _ = plain
+    (tmp_path / "slow.py").write_text(SLOW_TOOL)  # each call 50 ms
+    cfg = ToolsConfig(funcs=[f"{tmp_path / 'slow.py'}:calculator"], workers=4, timeout_s=5)
+    transcript = Transcript(tokenizer, tool_schemas(cfg))
+    prompts = ("12*34=", "56*78=", "9*9=", "7*6=")
+    script = Script(tokenizer, {p: [f"c({p[:-1]})", "1" + EOS] for p in prompts},
+                    transcript.stop_ids)
+    starts, seeds = [], []
+
+    async def generate(tokens, params, sessions, sticky):
+        starts.append(time.monotonic())
+        seeds.append(params.seed)
+        return await script.generate(tokens, params)
+
+    async with start_runtime(gpus_per_host=1):
+        client = Timed(await ToolClient.spawn(cfg))
+        agent = rollouts(script, transcript, client, 64, max_turns=2, cohorts=cohorts)
+        agent.generate_turns = generate
+        got = await agent.episodes([row(tokenizer, p) for p in prompts], SamplingParams(
+            max_new_tokens=10, stop_token_ids=(tokenizer.eos_token_id,), seed=100), 1)
+    texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in got.completions]
+    assert texts == ["c(12*34)[408]1", "c(56*78)[4368]1", "c(9*9)[81]1", "c(7*6)[42]1"]
+    assert len(client.windows) == 4 and len(starts) == 2 * cohorts
+    during = [t for t in starts if any(a < t < b for a, b in client.windows)]
+    turn = 15_485_863  # episodes.TURN_SEED
+    if cohorts == 1:
+        assert not during and seeds == [100, 100 + turn]
+    else:
+        assert during
+        assert sorted(seeds) == [100, 102, 100 + turn, 102 + turn]
 
 
 def test_the_loss_never_scores_an_observation_token(plain):

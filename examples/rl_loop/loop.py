@@ -36,7 +36,7 @@ from examples.rl_loop.batch import ReferenceLogprobs, losses, scored_batch
 from examples.rl_loop.budget import budget_summary
 from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.envs import Environments
-from examples.rl_loop.episodes import AgentRollouts, make_transcript
+from examples.rl_loop.episodes import AgentRollouts
 from examples.rl_loop.hooks import Hooks
 from examples.rl_loop.memory import ProcPeaks, devices_of, resident_per_proc
 from examples.rl_loop.partial import PartialRollouts
@@ -50,6 +50,7 @@ from examples.rl_loop.state import RunLock
 from examples.rl_loop.summary import summarize
 from examples.rl_loop.timing import StepClock
 from examples.rl_loop.tools import tool_schemas
+from examples.rl_loop.transcripts import make_transcript
 from services import Service, sync_weights
 
 logger = logging.getLogger(__name__)

@@ -50,6 +50,8 @@ class RolloutConfig:
     tool_format: str = "auto"  # tools: how calls are written: auto (hermes where the
     # tokenizer has a chat template, else plain), hermes, template, plain
     bad_call_reward: float = 0.0  # tools: the reward of an episode with a call that won't parse
+    cohorts: int = 1  # tools/env: a step's episodes in this many cohorts, each turn by turn;
+    # one decodes while another waits for its tools (1: all in lockstep)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -62,7 +64,7 @@ class RolloutConfig:
         if self.max_trajectory_tokens < 0:
             raise ValueError(f"rollout.max_trajectory_tokens={self.max_trajectory_tokens}: "
                              "must be >= 0 (0: the model's positions)")
-        for name in ("max_tokens_per_step", "max_staleness", "max_turns"):
+        for name in ("max_tokens_per_step", "max_staleness", "max_turns", "cohorts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name}={getattr(self, name)}: must be >= 1")
         if not math.isfinite(self.bad_call_reward):
