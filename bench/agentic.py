@@ -10,9 +10,11 @@ the episodes together buys when tools are slow.
    (the calculator behind a 50 ms wait, as a remote tool), run all at once (one batched
    generate call a turn for every episode still going, their tool calls together) against
    one at a time: samples per second (`samples_per_s_ratio`: at once / one at a time) and
-   the generator's busy share (the time inside generate calls / the wall time) for each;
-   and all at once in `--cohorts` cohorts (`rollout.cohorts`: one cohort decodes while
-   another waits for its tools) against all in lockstep (`cohorts_over_lockstep`).
+   the generator's busy share (of the wall time, that with a generate call under way) for
+   each; and all at once in `--cohorts` cohorts (`rollout.cohorts`: one cohort decodes while
+   another waits for its tools) against all in lockstep (`cohorts_over_lockstep`), and
+   the same with 400 ms tools (`cohorts_over_lockstep_slower_tool`): cohorts pay only
+   where a tool call takes longer than a turn's decoding.
 3. On two torch generator replicas with a session KV cache (`generator.session_cache_mb`),
    the same episodes with each episode's turns on its own replica (sticky, as the loop
    runs them) against dealt round robin: the share of the turns' earlier tokens computed
@@ -26,7 +28,7 @@ the episodes together buys when tools are slow.
    robin (`prefix_recompute_share_sticky_vllm`, `_round_robin_vllm`).
 
     .venv/bin/python -m bench.agentic [--steps 60] [--warm-steps 300] [--episodes 32]
-                                      [--cohorts 4] [--out FILE]
+                                      [--cohorts 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -56,9 +58,12 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "examples" / "rl_loop" / "tasks"
 SLOW_MS = 50
+SLOWER_MS = 400  # the cohorts' second comparison: a tool slower than a turn's decoding
 VLLM_BLOCK = 32  # tokens per vLLM KV block: its prefix cache reuses whole blocks
 
-SLOW_TOOL = f'''
+def slow_tool(ms: float) -> str:
+    """A tools file: the calculator behind a wait of `ms` milliseconds, as a remote tool."""
+    return f'''
 import asyncio
 
 from examples.rl_loop.tasks.multiply_tools import calculator as exact
@@ -70,9 +75,10 @@ async def calculator(expression: str) -> str:
     Args:
         expression: the expression, e.g. 123*456
     """
-    await asyncio.sleep({SLOW_MS / 1000})
+    await asyncio.sleep({ms / 1000})
     return exact(expression)
 '''
+
 
 
 def task_overrides(data: Path, tools: str) -> list[str]:
@@ -109,18 +115,18 @@ TOOL_ANSWER = [4, 5]  # what each session appends after a turn, as a tool's answ
 
 
 @asynccontextmanager
-async def started(work: Path, model: Path) -> AsyncIterator[Loop]:
-    """The trained model's loop with 50 ms tools on two torch generator replicas, each with
-    a session KV cache, started, its generator awake and warmed by two episodes."""
+async def started(work: Path, model: Path, tool_ms: float) -> AsyncIterator[Loop]:
+    """The trained model's loop with `tool_ms` tools on two torch generator replicas, each
+    with a session KV cache, started, its generator awake and warmed by two episodes."""
     from colocate import phase
     from examples.rl_loop.config import load_config
     from examples.rl_loop.loop import Loop
 
-    slow = work / "slow_tools.py"
-    slow.write_text(SLOW_TOOL)
+    slow = work / f"tools_{tool_ms:g}ms.py"
+    slow.write_text(slow_tool(tool_ms))
     cfg = load_config(overrides=[*task_overrides(work / "data", f"{slow}:calculator"),
                                  f"model.path={model}", "tools.workers=8", "run.slots=2",
-                                 *TORCH, f"run.out={work / 'throughput'}"])
+                                 *TORCH, f"run.out={work / f'throughput_{tool_ms:g}ms'}"])
     loop = Loop(cfg)
     await loop.start()
     try:
@@ -144,39 +150,64 @@ async def prefix_shares(loop: Loop, rows: list) -> dict[str, float]:
     return found
 
 
+async def timed_arms(loop: Loop, rows: list, arms: tuple[str, ...], cohorts: int
+                     ) -> dict[str, dict[str, Any]]:
+    """`rows`' episodes run each way `arms` names: at_once (all in lockstep), cohorts (all,
+    in `cohorts` cohorts), one_at_a_time; the wall time, samples per second and the share of
+    the wall time some generate call was under way (`generator_busy_share`)."""
+    rollouts, lockstep = loop.rollouts, loop.rollouts.cfg
+    generate, spans = rollouts.generate_turns, []
+
+    async def timed(*args: Any) -> list:
+        began = time.monotonic()
+        try:
+            return await generate(*args)
+        finally:
+            spans.append((began, time.monotonic()))
+
+    rollouts.generate_turns = timed  # this bench's own rollouts, timed
+    found = {}
+    for arm in arms:
+        rollouts.cfg = replace(lockstep, cohorts=cohorts if arm == "cohorts" else 1)
+        spans.clear()
+        began = time.monotonic()
+        if arm == "one_at_a_time":
+            got = [await rollouts.episodes([r], loop.greedy, 1) for r in rows]
+        else:
+            got = [await rollouts.episodes(rows, loop.greedy, 1)]
+        wall = time.monotonic() - began
+        calls = sum(g.metrics["tools/calls"] for g in got)
+        busy = covered(spans) / wall
+        found[arm] = {"samples_per_s": len(rows) / wall, "wall_s": wall,
+                      "generator_busy_share": busy, "tool_calls": calls}
+        print(f"{arm}: {len(rows)} episodes in {wall:.2f} s, {calls} tool calls, "
+              f"generator busy {busy:.2f} of the time", flush=True)
+    rollouts.cfg, rollouts.generate_turns = lockstep, generate
+    return found
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    """The time the union of `spans` covers (overlapping calls counted once)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        total += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return total
+
+
 async def throughput(work: Path, model: Path, episodes: int, cohorts: int
                      ) -> dict[str, Any]:
-    """`episodes` episodes of the trained model with 50 ms tools on two torch replicas: the
-    prefix shares, then all at once (in lockstep, and in `cohorts` cohorts) against one at
-    a time (see module)."""
-    busy = [0.0]
-    async with started(work, model) as loop:
-        rollouts, rows = loop.rollouts, loop.source.eval_rows()[:episodes]
-        generate = rollouts.generate_turns
-
-        async def timed(*args: Any) -> list:
-            began = time.monotonic()
-            try:
-                return await generate(*args)
-            finally:
-                busy[0] += time.monotonic() - began
-
-        rollouts.generate_turns = timed  # this bench's own rollouts, timed
+    """`episodes` episodes of the trained model on two torch replicas: with 50 ms tools,
+    the prefix shares, then all at once (in lockstep and in `cohorts` cohorts) against one
+    at a time; with SLOWER_MS tools, lockstep against cohorts (see module)."""
+    async with started(work, model, SLOW_MS) as loop:
+        rows = loop.source.eval_rows()[:episodes]
         found: dict[str, Any] = await prefix_shares(loop, rows)
-        lockstep = rollouts.cfg
-        for arm in ("at_once", "cohorts", "one_at_a_time"):
-            rollouts.cfg = replace(lockstep, cohorts=cohorts if arm == "cohorts" else 1)
-            busy[0], began = 0.0, time.monotonic()
-            if arm == "one_at_a_time":
-                got = [await rollouts.episodes([r], loop.greedy, 1) for r in rows]
-            else:
-                got = [await rollouts.episodes(rows, loop.greedy, 1)]
-            wall = time.monotonic() - began
-            calls = sum(g.metrics["tools/calls"] for g in got)
-            found[arm] = {"samples_per_s": len(rows) / wall, "wall_s": wall,
-                          "generator_busy_share": busy[0] / wall, "tool_calls": calls}
-            print(f"{arm}: {len(rows)} episodes in {wall:.2f} s, {calls} tool calls, "
-                  f"generator busy {busy[0] / wall:.2f} of the time", flush=True)
+        found.update(await timed_arms(loop, rows, ("at_once", "cohorts", "one_at_a_time"),
+                                      cohorts))
+    async with started(work, model, SLOWER_MS) as loop:
+        slower = await timed_arms(loop, rows, ("at_once", "cohorts"), cohorts)
+    found.update({f"{arm}_slower_tool": figures for arm, figures in slower.items()})
     return found
 
 
@@ -227,7 +258,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="the tool task's GRPO steps")
     parser.add_argument("--warm-steps", type=int, default=300, help="the warm start's")
     parser.add_argument("--episodes", type=int, default=32)
-    parser.add_argument("--cohorts", type=int, default=4, help="the cohorts arm's")
+    parser.add_argument("--cohorts", type=int, default=2, help="the cohorts arms'")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     machine, command = announce()
@@ -255,9 +286,11 @@ def main() -> None:
             for k, v in found.items()},
         "samples_per_s_ratio": arms["at_once"]["samples_per_s"]
         / arms["one_at_a_time"]["samples_per_s"],
-        "cohorts": args.cohorts,
+        "cohorts": args.cohorts, "slower_tool_ms": SLOWER_MS,
         "cohorts_over_lockstep": arms["cohorts"]["samples_per_s"]
         / arms["at_once"]["samples_per_s"],
+        "cohorts_over_lockstep_slower_tool": arms["cohorts_slower_tool"]["samples_per_s"]
+        / arms["at_once_slower_tool"]["samples_per_s"],
         "generator_busy_share": {arm: arms[arm]["generator_busy_share"]
                                  for arm in ("at_once", "cohorts", "one_at_a_time")},
         **{k: v for k, v in arms.items() if k.startswith("prefix_")},

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.agentic import SLOW_TOOL
+from bench.agentic import slow_tool
 from colocate.engines.sampling import Completion, SamplingParams
 from colocate.engines.tiny import write_tiny_model
 from colocate.testing import start_runtime
@@ -168,7 +168,7 @@ async def test_one_cohort_decodes_while_another_waits_for_its_tools(plain, tmp_p
     in lockstep (one cohort), no generate call meets a tool call. The episodes are the
     same either way (the script answers by row)."""
     tokenizer, _ = plain
-    (tmp_path / "slow.py").write_text(SLOW_TOOL)  # each call 50 ms
+    (tmp_path / "slow.py").write_text(slow_tool(50))
     cfg = ToolsConfig(funcs=[f"{tmp_path / 'slow.py'}:calculator"], workers=4, timeout_s=5)
     transcript = Transcript(tokenizer, tool_schemas(cfg))
     prompts = ("12*34=", "56*78=", "9*9=", "7*6=")
