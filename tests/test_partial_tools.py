@@ -37,7 +37,7 @@ EOS = 2
 
 # a call (`c(123*456)`, 10 tokens) takes two steps' budgets: it closes as the second ends
 PARTIAL = ["rollout.mode=partial", "rollout.max_tokens_per_step=5", "grpo.prompts_per_step=4",
-           "run.eval_every=3", "task.eval_size=16"]
+           "run.eval_every=3"]
 KEYS = ("reward", "loss", "eval_reward", "finished_samples", "carried_samples",
         "carried_tokens", "staleness_hist", "is_weight", "episode_ended",
         "episode_tool_calls_mean", "episode_trained_tokens_mean", "tools/calls",
@@ -151,7 +151,7 @@ def test_the_tool_task_runs_partial_episodes(tool_task):
 def tool_task(tmp_path_factory):
     """The tool task's data and a short warm start (it calls now and then when sampled)."""
     root = tmp_path_factory.mktemp("tool_task")
-    multiply.write(root / "data")
+    multiply.write(root / "data", eval_size=16)
     return root / "data", warm(root / "data", root / "start", steps=60)
 
 
