@@ -20,7 +20,8 @@ messages after the prompt (chat rows), or the transcript's text (text rows).
 With an environment (`env.cls`), each episode has an instance of its own: its `reset`
 messages are the prompt, a turn that ends at its stop token without a tool call goes to its
 `step`, whose observations are appended as a tool's results are, and `done` ends the
-episode (`envs.py` tells the rules).
+episode (`envs.py` tells the rules). With partial rollouts, episodes with tools span steps
+as items of the carried pool (`partial_episodes.py`).
 """
 
 from __future__ import annotations
