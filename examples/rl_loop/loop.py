@@ -256,12 +256,13 @@ class Loop:
             rm.roomy_for(name) for name in self.runtime.generator.tenant_names())
 
     async def _generating(self, prompts: list[list[int]], params: SamplingParams,
-                          *sessions: Any) -> list:
-        """`generate_ids` (given episodes' `sessions` and stickiness, `generate_turns`) in
-        the generator's phase (a round started while a step trains)."""
+                          *turns: Any) -> list:
+        """`generate_ids` (given episodes' sessions and stickiness, `turns`: the
+        `generate_turns` of episodes) in the generator's phase (a round started while a
+        step trains)."""
         async with phase(self.runtime.generator):
-            if sessions:
-                return await self.runtime.generate_turns(prompts, params, *sessions)
+            if turns:
+                return await self.runtime.generate_turns(prompts, params, *turns)
             return await self.runtime.generate_ids(prompts, params)
 
     async def _scored(self, index: int, rollout: Rollout

@@ -154,8 +154,8 @@ class EpisodePool(Pool):
 
     def _take(self, t: Trajectory, cap: int, new: Completion, params: SamplingParams) -> int:
         """A completion's first `cap` tokens added to its episode (a turn begun, or one
-        closed: at a stop or call-closing token, the episode's room or the turn's limit);
-        returns how many."""
+        closed: at a stop or call-closing token, the episode's room or the turn's limit, or
+        a completion without tokens); returns how many."""
         reused = new.prefix.reused if new.prefix is not None else 0
         self.prefix += PrefixCounts(len(t.row.tokens) + len(t.tokens), reused,
                                     max(0, t.computed - reused))
@@ -167,7 +167,7 @@ class EpisodePool(Pool):
         # keys and values computed: the prompt so far and all but the last token sampled
         t.computed = len(t.row.tokens) + len(t.tokens) - 1
         turn = t.turn()
-        if turn[-1] in (*params.stop_token_ids, *self.agent.transcript.stop_ids) \
+        if not kept or turn[-1] in (*params.stop_token_ids, *self.agent.transcript.stop_ids) \
                 or kept == room or len(turn) >= self.max_new_tokens:
             self._close_turn(t, turn, kept == room, params)
         return kept
@@ -182,14 +182,15 @@ class EpisodePool(Pool):
         t.messages.append(parsed.as_message())
         t.said.append({"role": "assistant", "content": transcript.said_text(text)})
         t.turn_start = None
-        if parsed.has_calls and turn[-1] not in params.stop_token_ids:
+        last = turn[-1] if turn else None
+        if parsed.has_calls and last not in params.stop_token_ids:
             if t.turns == self.cfg.max_turns:
                 t.ended = "max_turns"
             else:
                 t.pending = text
                 self.under_way[t.session] = asyncio.ensure_future(
                     self.agent.tool_results(parsed))
-        elif turn[-1] in (*params.stop_token_ids, *transcript.stop_ids):
+        elif last in (*params.stop_token_ids, *transcript.stop_ids):
             t.ended = "answer"
         else:
             t.ended = "overflow" if full else "length"
@@ -213,6 +214,14 @@ class EpisodePool(Pool):
         figures = {**self.tools.metrics(), **prefix_metrics(self.prefix)}
         self.tools, self.prefix = ToolStats(), PrefixCounts()
         return figures
+
+    def drop(self, groups: list[Group]) -> int:
+        """Remove `groups` (their calls under way cancelled); returns how many samples went
+        with them."""
+        for t in (t for g in groups for t in g.samples):
+            if (future := self.under_way.pop(t.session, None)) is not None:
+                future.cancel()
+        return super().drop(groups)
 
     def cancel_calls(self) -> None:
         for future in self.under_way.values():
