@@ -19,14 +19,14 @@ from test_partial_loop import KillingHooks
 from colocate.engines.sampling import Completion, SamplingParams
 from colocate.engines.tiny import write_tiny_model
 from colocate.engines.tools import ToolResult
-from examples.rl_loop.config import load_config
+from examples.rl_loop.config import as_dict, load_config
 from examples.rl_loop.data import Row
 from examples.rl_loop.episodes import AgentRollouts, Transcript
 from examples.rl_loop.grpo import GRPOConfig
 from examples.rl_loop.loop import Loop
 from examples.rl_loop.partial_episodes import EpisodePool
 from examples.rl_loop.rollouts import RolloutConfig
-from examples.rl_loop.state import LoopState
+from examples.rl_loop.state import LoopState, identity
 from examples.rl_loop.tasks import multiply
 from examples.rl_loop.tasks.multiply_tools import calculator
 from examples.rl_loop.tasks.multiply_warm import task_overrides, warm
@@ -136,15 +136,14 @@ async def test_an_episode_spans_rounds_its_call_under_way_survives_a_checkpoint(
     assert figures["tools/calls"] == 2 and figures["tools/errors"] == 0
 
 
-def test_the_tool_task_runs_partial_episodes(tool_task):
-    """Checked in the loop below; here, the settings: tools with partial rollouts are a
-    run of their own (`rollout` in its identity), an environment is still refused."""
-    data, start = tool_task
-    cfg = load_config(overrides=[*task_overrides(data), *PARTIAL])
+def test_tools_take_partial_rollouts_an_environment_does_not(tmp_path):
+    """An environment's state is its own object, which a checkpoint cannot keep."""
+    cfg = load_config(overrides=[*task_overrides(tmp_path), *PARTIAL])
     assert cfg.rollout.partial and cfg.tools.used
+    assert identity(as_dict(cfg))["rollout"]["mode"] == "partial"  # a run of its own
     with pytest.raises(ValueError, match="env.cls with rollout.mode=partial: an "
                                          "environment's state"):
-        load_config(overrides=[*task_overrides(data), *PARTIAL, "env.cls=m:C"])
+        load_config(overrides=[*task_overrides(tmp_path), *PARTIAL, "env.cls=m:C"])
 
 
 @pytest.fixture(scope="module")
