@@ -273,8 +273,8 @@ class PartialAgentRollouts(PartialRollouts):
         going = [t for g in self.pool.groups for t in g.samples if not t.finished]
         metrics = {**episode_metrics(episodes), **metrics, **self.pool.take_figures(),
                    # trained episodes begun on older weights, calls under way at its end
-                   "partial/episodes_carried": sum(t.versions[:1] < [self.pool.version]
-                                                   for t in episodes),
+                   "partial/episodes_carried": sum(bool(t.versions) and t.versions[0]
+                                                   < self.pool.version for t in episodes),
                    "partial/calls_carried": sum(t.pending is not None for t in going)}
         return Rollout([g.row for g in groups], [t.row.tokens for t in episodes],
                        [t.completion() for t in episodes], metrics,
