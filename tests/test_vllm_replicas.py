@@ -43,8 +43,8 @@ def prompts(seed: int, count: int = 4) -> list[list[int]]:
 
 async def recompute_share(loop: Loop, sticky: bool, seed: int, turns: int = 3) -> float:
     """Of the tokens each episode computed in its earlier turns, the share its next turn's
-    replica computed again (as `episodes.prefix_metrics` counts it), over `turns` turns of
-    episodes routed as `Runtime.generate_turns` routes them."""
+    replica computed again (as `episode_figures.prefix_metrics` counts it), over `turns`
+    turns of episodes routed as `Runtime.generate_turns` routes them."""
     rows, sessions = prompts(seed), [f"s{seed}-{i}" for i in range(4)]
     computed = recomputed = 0
     for turn in range(turns):
