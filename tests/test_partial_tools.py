@@ -134,6 +134,11 @@ async def test_an_episode_spans_rounds_its_call_under_way_survives_a_checkpoint(
         assert [m["role"] for m in ran.messages] == ["assistant", "tool", "assistant"]
     figures = pool.take_figures()
     assert figures["tools/calls"] == 2 and figures["tools/errors"] == 0
+    # past max_staleness (`rollout.on_stale=finish`): a round takes episodes to their ends
+    finishing = pool_of(tokenizer, Calculator(), budget=4)
+    finishing.add(rows[:1], 0)
+    await finishing.advance(policy.generate, params, finish=True)
+    assert [t.tokens for t in finishing.groups[0].samples] == [first.samples[0].tokens] * 2
 
 
 def test_tools_take_partial_rollouts_an_environment_does_not(tmp_path):

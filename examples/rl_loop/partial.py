@@ -133,9 +133,14 @@ class PartialRollouts(Rollouts):
         self.cfg = rollout
         check_room(source.longest_prompt(), source.max_new_tokens,
                    rollout.max_tokens_per_step, model_dir)
-        self.pool = Pool(rollout, grpo.group_size, source.max_new_tokens, max_batch)
+        self.pool = self.new_pool()
         self.prefetched: asyncio.Future | None = None  # the round beside the training
         self.beside: dict[str, Any] = {}  # its figures, for the step's row
+
+    def new_pool(self) -> Pool:
+        """The pool of carried samples, empty."""
+        return Pool(self.cfg, self.grpo.group_size, self.source.max_new_tokens,
+                    self.max_batch)
 
     async def generate(self, index: int) -> Rollout:
         """The budget's tokens for every sample under way (step `index`'s prompts join

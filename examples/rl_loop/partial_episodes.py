@@ -257,10 +257,12 @@ class PartialAgentRollouts(PartialRollouts):
     def __init__(self, source: Any, generate: GenerateTurns,
                  sampling: Callable[[int], SamplingParams], grpo: GRPOConfig, max_batch: int,
                  rollout: RolloutConfig, model_dir: Path, agent: AgentRollouts) -> None:
-        super().__init__(source, generate, sampling, grpo, max_batch, rollout, model_dir)
         self.agent = agent
-        self.pool = EpisodePool(rollout, grpo.group_size, source.max_new_tokens, max_batch,
-                                agent)
+        super().__init__(source, generate, sampling, grpo, max_batch, rollout, model_dir)
+
+    def new_pool(self) -> EpisodePool:
+        return EpisodePool(self.cfg, self.grpo.group_size, self.source.max_new_tokens,
+                           self.max_batch, self.agent)
 
     async def generate(self, index: int) -> Rollout:
         """The budget's tokens for every episode under way (step `index`'s prompts join
