@@ -301,3 +301,9 @@ async def test_a_chat_episode_renders_tools_and_results_in_the_tool_role(chat):
     assert messages[0]["tool_calls"][0]["function"] == {
         "name": "calculator", "arguments": {"expression": "12*34"}}
     assert messages[1]["content"] == "408" and messages[2]["content"] == "408."
+
+
+def test_cohorts_are_refused_with_partial_rollouts() -> None:
+    with pytest.raises(ValueError, match=r"^rollout\.cohorts=2 with rollout\.mode=partial"):
+        RolloutConfig(mode="partial", cohorts=2)
+    assert RolloutConfig(cohorts=2).cohorts == 2

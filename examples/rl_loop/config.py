@@ -215,9 +215,6 @@ class RLConfig:
         if self.tools.used and not self.data.used:
             raise ValueError("tools.funcs needs data.train_files: the prompts whose episodes "
                              "call the tools (and reward.funcs to score them)")
-        if self.tools.used and self.rollout.partial:
-            raise ValueError("tools.funcs with rollout.mode=partial: episodes that span steps "
-                             "are not built yet; use rollout.mode=sync")
         if self.grpo.dynamic_sampling and self.rollout.partial:
             raise ValueError("grpo.dynamic_sampling=true with rollout.mode=partial: a partial "
                              "step trains the groups its token budget finished, it has no "
@@ -226,8 +223,9 @@ class RLConfig:
             raise ValueError("env.cls needs data.train_files: the rows each episode's "
                              "reset(row) opens from (and reward.funcs to score them)")
         if self.env.used and self.rollout.partial:
-            raise ValueError("env.cls with rollout.mode=partial: episodes that span steps "
-                             "are not built yet; use rollout.mode=sync")
+            raise ValueError("env.cls with rollout.mode=partial: an environment's state is "
+                             "its own object, which a checkpoint of episodes under way cannot "
+                             "keep; use rollout.mode=sync")
         if self.rollout.overlap and self.run.policy == "exclusive" and self.run.colocate:
             raise ValueError("rollout.overlap=true generates beside the training, but "
                              "run.policy=exclusive keeps one tenant awake a slot: use "

@@ -23,7 +23,8 @@ rows).
 With an environment (`env.cls`), each episode has an instance of its own: its `reset`
 messages are the prompt, a turn that ends at its stop token without a tool call goes to its
 `step`, whose observations are appended as a tool's results are, and `done` ends the
-episode (`envs.py` tells the rules).
+episode (`envs.py` tells the rules). With partial rollouts, episodes with tools span steps
+as items of the carried pool (`partial_episodes.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 from colocate.engines.sampling import Completion, PrefixCounts, SamplingParams
 from examples.rl_loop.data import Row
 from examples.rl_loop.envs import Environments, env_metrics
+from examples.rl_loop.episode_figures import episode_metrics, prefix_metrics
 from examples.rl_loop.grpo import GRPOConfig
 from examples.rl_loop.rollouts import Generate, Rollout, RolloutConfig, Rollouts, Score
 from examples.rl_loop.tool_calls import ParsedTurn, observations
@@ -119,7 +121,7 @@ class AgentRollouts(Rollouts):
                 "finished_samples": sum(len(r.completions) for r in rounds),
                 **tools, **prefix_metrics(prefix)}
 
-    def _room(self, episode: Episode) -> int:
+    def room(self, episode: Episode) -> int:
         """New tokens the episode may still have (its length limit, the model's positions)."""
         limit = self.cfg.max_trajectory_tokens or self.max_positions
         return min(limit - len(episode.tokens),
@@ -138,7 +140,7 @@ class AgentRollouts(Rollouts):
                     first: int) -> None:
         """One turn of a cohort's episodes still going: a generate call, then their tool
         calls."""
-        rooms = [self._room(e) for e in going]
+        rooms = [self.room(e) for e in going]
         for episode, room in zip(going, rooms, strict=True):
             if room <= 0:
                 episode.ended = "overflow"
@@ -201,16 +203,23 @@ class AgentRollouts(Rollouts):
         return out
 
     async def _call_tools(self, episode: Episode, parsed: ParsedTurn, text: str) -> None:
-        """The turn's calls, at once; their results appended as the observation."""
+        self.observe(episode, parsed, text, await self.tool_results(parsed))
+
+    async def tool_results(self, parsed: ParsedTurn) -> list[Any]:
+        """The turn's calls, at once: their `ToolResult`s."""
         client = self.tools()
-        results = await asyncio.gather(*(client.call(c.name, c.arguments)
-                                         for c in parsed.calls))
+        return list(await asyncio.gather(*(client.call(c.name, c.arguments)
+                                           for c in parsed.calls)))
+
+    def observe(self, episode: Episode, parsed: ParsedTurn, text: str, results: list[Any]
+                ) -> None:
+        """The turn's call results appended as the observation, and counted."""
         episode.calls += len(parsed.calls)
         episode.bad_calls += len(parsed.bad)
         episode.tool_errors += sum(r.error is not None for r in results)
         episode.tool_seconds += sum(r.seconds for r in results)
         episode.messages += observations(parsed, [r.content for r in results])
-        episode.add(self.transcript.observation(episode, parsed, text, list(results)))
+        episode.add(self.transcript.observation(episode, parsed, text, results))
 
     async def _step_env(self, episode: Episode) -> None:
         """The environment's step on the turn's assistant message: its observations
@@ -221,7 +230,7 @@ class AgentRollouts(Rollouts):
         if not shown:  # nothing to read (a template would open a turn all the same)
             return
         tokens = self.transcript.env_observation(episode, shown)
-        if len(tokens) > self._room(episode):
+        if len(tokens) > self.room(episode):
             episode.ended = episode.ended or "overflow"
             return
         episode.messages += shown
@@ -236,31 +245,3 @@ class AgentRollouts(Rollouts):
             batch["mask"][row, start:start + len(trained)] *= written
         return None
 
-
-def episode_metrics(episodes: list[Episode]) -> dict[str, Any]:
-    """A step's episodes in figures: turns, calls, errors, tool time, how they ended."""
-    n = len(episodes)
-    ended: dict[str, int] = {}
-    for episode in episodes:
-        ended[episode.ended] = ended.get(episode.ended, 0) + 1
-    calls = sum(e.calls for e in episodes)
-    return {"finished_samples": n,
-            "episode_turns_mean": sum(e.turns for e in episodes) / n,
-            "episode_tool_calls_mean": calls / n,
-            "episode_bad_calls": sum(e.bad_calls for e in episodes),
-            "episode_tool_errors": sum(e.tool_errors for e in episodes),
-            "episode_tool_seconds_mean": sum(e.tool_seconds for e in episodes) / max(1, calls),
-            "episode_overflows": ended.get("overflow", 0),
-            "episode_ended": dict(sorted(ended.items())),
-            "episode_tokens_mean": sum(len(e.tokens) for e in episodes) / n,
-            "episode_trained_tokens_mean": sum(sum(e.trained) for e in episodes) / n}
-
-
-def prefix_metrics(counts: PrefixCounts) -> dict[str, Any]:
-    """Of the tokens an episode's earlier turns computed keys and values for, those its
-    next turn's replica still had (`reused`: the same replica, its session cache kept) and
-    those computed again (`recomputed`: another replica, or the cache released by a switch
-    or its bound); a first turn's tokens are new, neither."""
-    return {"prefix_reused_tokens": counts.reused,
-            "prefix_recomputed_tokens": counts.recomputed,
-            "prefix_recompute_share": counts.recompute_share}

@@ -40,6 +40,7 @@ from examples.rl_loop.episodes import AgentRollouts
 from examples.rl_loop.hooks import Hooks
 from examples.rl_loop.memory import ProcPeaks, devices_of, resident_per_proc
 from examples.rl_loop.partial import PartialRollouts
+from examples.rl_loop.partial_episodes import PartialAgentRollouts
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.recovery import Recovery
 from examples.rl_loop.rollouts import Rollout, Rollouts
@@ -104,17 +105,20 @@ class Loop:
         cfg = self.cfg
         parts = (self.source, lambda tokens, params: self.runtime.generate_ids(tokens, params),
                  self.sampling, cfg.grpo, cfg.generator.max_batch)
-        if cfg.rollout.partial:
+        if cfg.rollout.partial and not cfg.tools.used:
             return PartialRollouts(*parts, cfg.rollout, self.model_dir)
         score = functools.partial(self._score, copies=cfg.grpo.group_size)
         if cfg.tools.used or cfg.env.used:
             transcript = make_transcript(self.tokenizer, tool_schemas(cfg.tools),
                                          cfg.rollout.tool_format)
             envs = Environments(cfg.env, cfg.data.prompt_key) if cfg.env.used else None
-            return AgentRollouts(*parts, cfg.rollout, transcript, lambda: self.runtime.tools,
-                                 max_positions(self.model_dir),
-                                 lambda *args: self.runtime.generate_turns(*args), score,
-                                 envs)
+            turns = lambda *args: self.runtime.generate_turns(*args)  # noqa: E731
+            agent = AgentRollouts(*parts, cfg.rollout, transcript, lambda: self.runtime.tools,
+                                  max_positions(self.model_dir), turns, score, envs)
+            if cfg.rollout.partial:  # the episodes are the pool's items
+                return PartialAgentRollouts(parts[0], turns, *parts[2:], cfg.rollout,
+                                            self.model_dir, agent)
+            return agent
         return Rollouts(*parts, score)
 
     def _refused(self, err: Exception) -> None:
@@ -252,9 +256,14 @@ class Loop:
         return not self.cfg.run.colocate or all(
             rm.roomy_for(name) for name in self.runtime.generator.tenant_names())
 
-    async def _generating(self, prompts: list[list[int]], params: SamplingParams) -> list:
-        """`generate_ids` in the generator's phase (a round started while a step trains)."""
+    async def _generating(self, prompts: list[list[int]], params: SamplingParams,
+                          *turns: Any) -> list:
+        """`generate_ids` (given episodes' sessions and stickiness, `turns`: the
+        `generate_turns` of episodes) in the generator's phase (a round started while a
+        step trains)."""
         async with phase(self.runtime.generator):
+            if turns:
+                return await self.runtime.generate_turns(prompts, params, *turns)
             return await self.runtime.generate_ids(prompts, params)
 
     async def _scored(self, index: int, rollout: Rollout

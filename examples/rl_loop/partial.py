@@ -28,12 +28,16 @@ With `rollout.overlap`, the generation goes on while the step trains, as veRL's 
 async trainer keeps its rollout engine busy on the shared pool until the weight update:
 once a step has taken its finished groups, the next step's prompts join the pool and one
 round continues every unfinished sample (`prefetch`), on the weights of this step, beside
-the scoring and the training; the loop takes its tokens in before its checkpoint and the
-sync (`Prefetch.absorb`). The round has the token budget too, so it ends by itself and the
-run repeats. On roomy slots (both tenants and their working memory fit) the two run side
-by side; otherwise the round runs first, to its end, before the trainer's wake, which
-would otherwise throw out what the round's wake brought in (`PartialRollouts.start_next`).
-The next step then starts with that round done.
+the scoring and the training; the loop waits for it before its checkpoint and the sync
+(`PartialRollouts.before_sync`), its tokens in as of the version that sampled them. The
+round has the token budget too, so it ends by itself and the run repeats. On roomy slots
+(both tenants and their working memory fit) the two run side by side; otherwise the round
+runs first, to its end, before the trainer's wake, which would otherwise throw out what the
+round's wake brought in (`PartialRollouts.start_next`). The next step then starts with that
+round done.
+
+Multi-turn episodes with tools (`tools.funcs`) are items of the pool as well:
+`partial_episodes.py`.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -51,37 +55,35 @@ from colocate.engines.sampling import SamplingParams
 from examples.rl_loop.batch import behind
 from examples.rl_loop.data import Row
 from examples.rl_loop.grpo import GRPOConfig
-from examples.rl_loop.pool import Group, Pool, Round, staleness
+from examples.rl_loop.pool import Group, Pool, staleness
 from examples.rl_loop.rollouts import Generate, Rollout, RolloutConfig, Rollouts
 
 
 async def generate_step(pool: Pool, generate: Any, sampling: Any) -> tuple[list[Group],
                                                                           dict[str, Any]]:
     """A partial step's generation (the generator awake): every unfinished sample continued
-    by the budget's tokens, in one call (more, on the same weights, until some group is
+    by the budget's tokens, in one round (more, on the same weights, until some group is
     finished, so that every step trains); the groups past max_staleness finished now or
     dropped. Returns the finished groups, taken from the pool, and the step's figures.
-    `generate(prompts, params)` is the loop's (`Runtime.generate_ids`); `sampling` has the
-    step's seed."""
-    kept = slots = calls = dropped = 0
+    `generate` is the loop's (`Runtime.generate_ids`, or `generate_turns` for a pool of
+    episodes); `sampling` has the step's seed."""
+    kept = slots = calls = rounds = dropped = 0
 
-    async def run(call: Round) -> None:
-        nonlocal kept, slots, calls
-        params = replace(sampling, max_new_tokens=call.max_new_tokens,
-                         seed=sampling.seed + 7919 * calls)
-        absorbed = pool.absorb(call, await generate(call.prompts, params))
-        kept, slots, calls = kept + absorbed["tokens"], slots + absorbed["slots"], calls + 1
+    async def run(groups: list[Group] | None = None, finish: bool = False) -> bool:
+        nonlocal kept, slots, calls, rounds
+        params = replace(sampling, seed=sampling.seed + 7919 * rounds)
+        absorbed = await pool.advance(generate, params, groups, finish)
+        if absorbed is None:
+            return False
+        kept, slots = kept + absorbed["tokens"], slots + absorbed["slots"]
+        calls, rounds = calls + absorbed["calls"], rounds + 1
+        return True
 
-    while not any(g.done for g in pool.groups):
-        call = pool.round()
-        if call is None:
-            break
-        await run(call)
+    while not any(g.done for g in pool.groups) and await run():
+        pass
     overdue = pool.overdue()
     if overdue and pool.cfg.on_stale == "finish":
-        call = pool.round(overdue, budget=pool.max_new_tokens)
-        if call is not None:
-            await run(call)
+        await run(overdue, finish=True)
     elif overdue:
         dropped = pool.drop(overdue)
     done = pool.take_done()
@@ -95,31 +97,15 @@ async def generate_step(pool: Pool, generate: Any, sampling: Any) -> tuple[list[
 PREFETCH_SEED = 104_729  # a prefetch round's seed: its step's, plus this (apart from its calls')
 
 
-@dataclass
-class Prefetch:
-    """A round under way while a step trains (`rollout.overlap`)."""
-
-    pool: Pool
-    call: Round
-    task: asyncio.Future
-
-    async def absorb(self) -> dict[str, int]:
-        """Wait for the round and add its tokens to the pool, as of the version that
-        sampled them (before the step's weights go to the generator)."""
-        return self.pool.absorb(self.call, await self.task)
-
-
-def prefetch(pool: Pool, rows: list[Row], step: int, generate: Generate,
-             sampling: SamplingParams) -> Prefetch | None:
+def prefetch(pool: Pool, rows: list[Row], step: int, generate: Any,
+             sampling: SamplingParams) -> asyncio.Future:
     """Add step `step`'s prompts (`rows`) to the pool and start the round that continues
-    every unfinished sample by the token budget; `sampling` has step `step`'s seed."""
+    every unfinished sample by the token budget (its tokens go in as of the version that
+    sampled them, before the step's weights go to the generator); `sampling` has step
+    `step`'s seed. The future gives the round's figures (`Pool.advance`)."""
     pool.add(rows, step)
-    call = pool.round()
-    if call is None:
-        return None
-    params = replace(sampling, max_new_tokens=call.max_new_tokens,
-                     seed=sampling.seed + PREFETCH_SEED)
-    return Prefetch(pool, call, asyncio.ensure_future(generate(call.prompts, params)))
+    return asyncio.ensure_future(
+        pool.advance(generate, replace(sampling, seed=sampling.seed + PREFETCH_SEED)))
 
 
 def check_room(longest_prompt: int, max_new_tokens: int, budget: int, model_dir: Any) -> None:
@@ -147,9 +133,14 @@ class PartialRollouts(Rollouts):
         self.cfg = rollout
         check_room(source.longest_prompt(), source.max_new_tokens,
                    rollout.max_tokens_per_step, model_dir)
-        self.pool = Pool(rollout, grpo.group_size, source.max_new_tokens, max_batch)
-        self.prefetched: Prefetch | None = None  # the round under way beside the training
+        self.pool = self.new_pool()
+        self.prefetched: asyncio.Future | None = None  # the round beside the training
         self.beside: dict[str, Any] = {}  # its figures, for the step's row
+
+    def new_pool(self) -> Pool:
+        """The pool of carried samples, empty."""
+        return Pool(self.cfg, self.grpo.group_size, self.source.max_new_tokens,
+                    self.max_batch)
 
     async def generate(self, index: int) -> Rollout:
         """The budget's tokens for every sample under way (step `index`'s prompts join
@@ -179,7 +170,8 @@ class PartialRollouts(Rollouts):
     async def _absorb(self) -> None:
         if self.prefetched is not None:
             prefetched, self.prefetched = self.prefetched, None
-            self.beside["prefetched_tokens"] = (await prefetched.absorb())["tokens"]
+            if (absorbed := await prefetched) is not None:
+                self.beside["prefetched_tokens"] = absorbed["tokens"]
 
     def finish_batch(self, rollout: Rollout, batch: dict[str, torch.Tensor]
                      ) -> float | None:
@@ -197,8 +189,8 @@ class PartialRollouts(Rollouts):
 
     def drop(self) -> None:
         if self.prefetched is not None:
-            self.prefetched.task.cancel()
-            self.prefetched.task.add_done_callback(
+            self.prefetched.cancel()
+            self.prefetched.add_done_callback(
                 lambda done: done.cancelled() or done.exception())
             self.prefetched = None
 

@@ -1,16 +1,17 @@
 """The carried samples of partial rollouts: each GRPO group's samples under way, their
 tokens, behaviour log-probabilities and the policy version that sampled each token, and the
-calls that continue them by a token budget (`partial.py` runs the steps over them).
+rounds that continue them by a token budget (`partial.py` runs the steps over them; a pool
+of multi-turn episodes is `partial_episodes.EpisodePool`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from colocate.engines.sampling import Completion
+from colocate.engines.sampling import Completion, SamplingParams
 from examples.rl_loop.data import Row
-from examples.rl_loop.rollouts import RolloutConfig, decode_slots
+from examples.rl_loop.rollouts import Generate, RolloutConfig, decode_slots
 
 
 @dataclass
@@ -103,6 +104,20 @@ class Pool:
         return {"tokens": kept, "slots": decode_slots([len(c.tokens) for c in completions],
                                                         self.max_batch)}
 
+    async def advance(self, generate: Generate, params: SamplingParams,
+                      groups: list[Group] | None = None, finish: bool = False
+                      ) -> dict[str, int] | None:
+        """One round: every unfinished sample (of `groups`, default all) continued by the
+        step's budget (`finish`: up to its completion's limit) in one `generate` call with
+        `params` (its seed); returns the tokens kept, the rows' decode slots and the
+        generate calls made, or None when no sample is left."""
+        call = self.round(groups, self.max_new_tokens if finish else None)
+        if call is None:
+            return None
+        completions = await generate(call.prompts,
+                                     replace(params, max_new_tokens=call.max_new_tokens))
+        return {**self.absorb(call, completions), "calls": 1}
+
     def overdue(self) -> list[Group]:
         """Unfinished groups that the next step's tokens would make span more than
         max_staleness versions."""
@@ -136,8 +151,13 @@ class Pool:
         """Back to a checkpoint's pool (None: the start's, empty)."""
         state = state or {"version": 0, "groups": []}
         self.version = state["version"]
-        self.groups = [Group(Row(**g["row"]), g["started"], [Sample(**s) for s in g["samples"]])
+        self.groups = [Group(Row(**g["row"]), g["started"],
+                             [self.sample_from(s) for s in g["samples"]])
                        for g in state["groups"]]
+
+    def sample_from(self, state: dict[str, Any]) -> Sample:
+        """A carried sample back from its checkpoint's state."""
+        return Sample(**state)
 
 
 def staleness(groups: list[Group], version: int) -> dict[str, Any]:

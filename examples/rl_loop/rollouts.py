@@ -50,8 +50,8 @@ class RolloutConfig:
     tool_format: str = "auto"  # tools: how calls are written: auto (hermes where the
     # tokenizer has a chat template, else plain), hermes, template, plain
     bad_call_reward: float = 0.0  # tools: the reward of an episode with a call that won't parse
-    cohorts: int = 1  # tools/env: a step's episodes in this many cohorts, each turn by turn;
-    # one decodes while another waits for its tools (1: all in lockstep)
+    cohorts: int = 1  # tools/env, sync: a step's episodes in this many cohorts, each turn by
+    # turn; one decodes while another waits for its tools (1: all in lockstep)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -71,6 +71,10 @@ class RolloutConfig:
             raise ValueError(f"rollout.bad_call_reward={self.bad_call_reward}: must be finite")
         if not self.is_cap >= 1:
             raise ValueError(f"rollout.is_cap={self.is_cap}: must be >= 1")
+        if self.cohorts > 1 and self.partial:
+            raise ValueError(f"rollout.cohorts={self.cohorts} with rollout.mode=partial: a "
+                             "partial round runs every episode's turns together; use "
+                             "rollout.cohorts=1 there")
         if self.overlap and not self.partial:
             raise ValueError("rollout.overlap=true continues carried samples while a step "
                              "trains: it needs rollout.mode=partial")
