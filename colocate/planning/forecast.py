@@ -24,6 +24,7 @@ are kept.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -247,9 +248,15 @@ def forecast_slot(tenants: Sequence[TenantSpec], step: Sequence[Turn],
                   capacity: int | None, policy: str | Policy = "budget",
                   start: Sequence[Turn] = (), steps: int = 3) -> SlotForecast:
     """The switches of `step`'s turns on a slot of `capacity` bytes holding `tenants`
-    (registered in that order), under `policy`, after the `start` turns (see module)."""
-    return asyncio.run(_forecast(list(tenants), list(step), capacity, policy, list(start),
-                                 steps))
+    (registered in that order), under `policy`, after the `start` turns (see module).
+    Callable from inside a running event loop too (it runs on a thread of its own then)."""
+    forecast = _forecast(list(tenants), list(step), capacity, policy, list(start), steps)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(forecast)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, forecast).result()
 
 
 async def _forecast(tenants: list[TenantSpec], step: list[Turn], capacity: int | None,

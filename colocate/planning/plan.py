@@ -44,6 +44,7 @@ class Plan:
     host_capacity_bytes: int | None = None
     host_other_bytes: int = 0  # what the host holds besides the backups
     pinned: bool = False  # backups in pinned buffers kept across switches (CUDA)
+    slots_per_host: int = 1  # slots that switch together under one host's arbiter
     notes: dict[str, Any] = field(default_factory=dict)  # the caller's (what it planned)
 
     def seconds(self, switch: Switch, turn: Turn) -> float:
@@ -54,7 +55,7 @@ class Plan:
         if switch.way == "none":
             return 0.0
         return self.rates.seconds(way, switch.copied_out, switch.copied_in, switch.discarded,
-                                  switch.refilled, switch.in_slot_bytes)
+                                  switch.refilled, switch.in_slot_bytes, self.slots_per_host)
 
     def slot_seconds(self, slot: SlotForecast) -> dict[str, float]:
         """The steady step's switch and sync seconds on `slot`."""
@@ -123,6 +124,7 @@ class Plan:
         return {"policy": self.policy, "fits": self.fits, "why": self.why,
                 "predicted": self.figures(), "host_capacity_bytes": self.host_capacity_bytes,
                 "host_other_bytes": self.host_other_bytes, "pinned": self.pinned,
+                "slots_per_host": self.slots_per_host,
                 "slots": slots, "rates": vars(self.rates), **self.notes}
 
 
@@ -133,21 +135,23 @@ def _switch(switch: Switch, seconds: float) -> dict[str, Any]:
             "woken": [f"{m.tenant}/{m.stage} {'copied' if m.copied else 'refilled'} "
                       f"{m.nbytes}" for m in switch.woken],
             "copied_out": switch.copied_out, "copied_in": switch.copied_in,
-            "discarded": switch.discarded, "in_slot_bytes": switch.in_slot_bytes,
+            "discarded": switch.discarded, "refilled": switch.refilled,
+            "in_slot_bytes": switch.in_slot_bytes,
             "peak_bytes": switch.peak_bytes, "backup_bytes": switch.backup_bytes}
 
 
 def plan_run(slots: Sequence[Sequence[TenantSpec]], step: Sequence[Turn],
              capacity: int | None, rates: Rates, policy: str | Policy = "budget",
              start: Sequence[Turn] = (), host_capacity_bytes: int | None = None,
-             host_other_bytes: int = 0, pinned: bool = False) -> Plan:
+             host_other_bytes: int = 0, pinned: bool = False,
+             slots_per_host: int | None = None) -> Plan:
     """The plan of a run whose slots hold `slots` (each: its tenants, in the order they
-    are spawned), each of `capacity` bytes, taking `step`'s turns every step after the
-    `start` turns (see module)."""
+    are spawned), each of `capacity` bytes, `slots_per_host` on each host (default: all on
+    one), taking `step`'s turns every step after the `start` turns (see module)."""
     forecasts = [forecast_slot(tenants, step, capacity, policy, start) for tenants in slots]
     name = policy if isinstance(policy, str) else type(policy).__name__
     return Plan(forecasts, list(step), rates, name, host_capacity_bytes, host_other_bytes,
-                pinned)
+                pinned, slots_per_host or len(forecasts))
 
 
 def relative_error(predicted: float, measured: float) -> float:

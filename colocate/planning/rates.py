@@ -9,8 +9,9 @@ slot memory, pinned and not (on CPU slots, which are host memory, a memcpy). A s
 has a fixed cost per way (its messages, the release checks, the view's bookkeeping), which
 the caller measures on its own runtime and adds (`Rates.fixed_s`: "wake" and "sync" through
 the arbiter, "in_place" for a sync's copy alone, "none" for a wake with nothing to do; 0
-until measured), and so is the peak memory of the process that drives a run
-(`process_bytes`), part of the host's.
+until measured; `fixed_per_slot_s`, what each further slot of a host adds, since one
+arbiter a host carries out every slot's switch), and so is the peak memory of the process
+that drives a run (`process_bytes`), part of the host's.
 
 `load_rates(path)` reads a file written by `save`; `cached_rates(device)` reads this
 machine's (`default_path`) or calibrates and writes it.
@@ -52,21 +53,29 @@ class Rates:
     pageable_to_slot: float | None = None  # raw copies from unpinned host memory
     slot_to_pageable: float | None = None
     fixed_s: dict[str, float] = field(default_factory=dict)  # way -> seconds a switch
+    # way -> the seconds each further slot of the host adds to a switch (one arbiter a host)
+    fixed_per_slot_s: dict[str, float] = field(default_factory=dict)
     process_bytes: int = 0  # the driving process's peak memory, as its caller measured it
     host: str = ""  # the machine measured
     measured_at: str = ""
 
     def seconds(self, way: str, copied_out: int = 0, copied_in: int = 0, discarded: int = 0,
-                refilled: int = 0, in_slot: int = 0) -> float:
-        """A switch's predicted time: its way's fixed cost and each byte at its rate."""
-        return (self.fixed_s.get(way, 0.0) + copied_out / self.backup_out
+                refilled: int = 0, in_slot: int = 0, slots: int = 1) -> float:
+        """A switch's predicted time on a host of `slots` slots switching together: its
+        way's fixed cost and each byte of one slot at its rate."""
+        return (self.fixed_s.get(way, 0.0)
+                + (slots - 1) * self.fixed_per_slot_s.get(way, 0.0)
+                + copied_out / self.backup_out
                 + copied_in / self.backup_in + discarded / self.drop
                 + refilled / self.refill + in_slot / self.in_slot)
 
-    def with_fixed(self, fixed_s: dict[str, float], process_bytes: int) -> Rates:
-        """These rates with `fixed_s` (other ways kept) and `process_bytes` measured."""
-        return dataclasses.replace(self, fixed_s={**self.fixed_s, **fixed_s},
-                                   process_bytes=process_bytes)
+    def with_fixed(self, fixed_s: dict[str, float], fixed_per_slot_s: dict[str, float],
+                   process_bytes: int) -> Rates:
+        """These rates with the fixed costs (other ways kept) and `process_bytes` measured."""
+        return dataclasses.replace(
+            self, fixed_s={**self.fixed_s, **fixed_s},
+            fixed_per_slot_s={**self.fixed_per_slot_s, **fixed_per_slot_s},
+            process_bytes=process_bytes)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -72,8 +72,9 @@ def make_plan(cfg: RLConfig, model: Path | transformers.PretrainedConfig, rates:
         capacity = torch.cuda.get_device_properties(0).total_memory
     start, step = turns(cfg)
     process = rates.process_bytes or psutil.Process().memory_info().rss
+    per_host = cfg.run.slots * (1 if cfg.run.colocate else 2)
     plan = plan_run(tenants(cfg, model), step, capacity, rates, cfg.run.policy, start,
-                    host_other_bytes=process, pinned=on_gpu)
+                    host_other_bytes=process, pinned=on_gpu, slots_per_host=per_host)
     plan.notes["process_bytes_measured"] = bool(rates.process_bytes)
     return plan
 
