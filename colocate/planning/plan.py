@@ -52,8 +52,6 @@ class Plan:
         way = switch.way
         if way == "arbiter":
             way = "sync" if isinstance(turn, Sync) else "wake"
-        if switch.way == "none":
-            return 0.0
         return self.rates.seconds(way, switch.copied_out, switch.copied_in, switch.discarded,
                                   switch.refilled, switch.in_slot_bytes, self.slots_per_host)
 

@@ -6,7 +6,7 @@ loop at its default size and kept in the rates file (`colocate.planning.Rates.fi
 A tight run (`run.slot_memory=auto`: the trainer's wake and the sync go through the
 arbiter) and an ample one (every wake has nothing to do, the sync is an in-place copy), on
 1 slot and on 2, `STEPS` steps each. From the second step on, each way's fixed cost is the
-mean of what its switch took less what its bytes take at the calibrated rates (the run's
+median of what its switch took less what its bytes take at the calibrated rates (the run's
 own plan says which bytes): "wake" and "sync" from the tight runs, "none" and "in_place"
 from the ample ones; what the second slot adds, per way, is the difference. The process's
 peak is the larger of the two 1-slot runs'.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from typing import Any
 
 from colocate.planning import Rates, cached_rates, default_path, load_rates
 
-STEPS = 6
+STEPS = 8
 RUNS = {f"{name}, {slots} slots": [capacity, f"run.slots={slots}"] for slots in (1, 2)
         for name, capacity in (("tight", "run.slot_memory=auto"),
                                ("ample", "run.slot_memory=1GiB"))}
@@ -57,9 +58,9 @@ def calibrate_switches(path: str | None = None) -> dict[str, Any]:
                 fixed.setdefault((way, slots), []).extend(seconds)
             if slots == 1:
                 process = max(process, metrics["summary"]["plan"]["measured_process_bytes"])
-    mean = {key: max(0.0, sum(s) / len(s)) for key, s in fixed.items()}
-    fixed_s = {way: s for (way, slots), s in mean.items() if slots == 1}
-    per_slot = {way: max(0.0, mean.get((way, 2), s) - s) for way, s in fixed_s.items()}
+    median = {key: max(0.0, statistics.median(s)) for key, s in fixed.items()}
+    fixed_s = {way: s for (way, slots), s in median.items() if slots == 1}
+    per_slot = {way: max(0.0, median.get((way, 2), s) - s) for way, s in fixed_s.items()}
     rates = rates.with_fixed(fixed_s, per_slot, process)
     rates.save(target)
     return {"rates_file": str(target), "fixed_s": fixed_s, "fixed_per_slot_s": per_slot,

@@ -11,16 +11,18 @@ the arbiter is told it) and the loop's own process (`Rates.process_bytes`, measu
 holds).
 
 A run's measured figures (`measured`): from the second step on (the first starts with
-nothing out yet), the bytes copied to host memory and back per step; the switch + sync
-time per step (the trainer's wake, started ahead, its own duration; with a reference, the
-trainer's wake after it too; and the sync); the most a slot held after a switch; the
-host's peak, the loop process's peak RSS and the most the slots' backups held.
+nothing out yet), the bytes copied to host memory and back per step (the mean); the
+switch + sync time of the median step (the trainer's wake, started ahead, its own
+duration; with a reference, the trainer's wake after it too; and the sync); the most a
+slot held after a switch; the host's peak, the loop process's peak RSS and the most the
+slots' backups held.
 Partial rollouts, tools and environments change the turns; the plan is a sync step's.
 """
 
 from __future__ import annotations
 
 import resource
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -90,11 +92,13 @@ def measured(steps: list[dict[str, Any]], summary: dict[str, Any], reference: bo
 
     switch = [s["switch_ahead_s"] + s["sync_s"]
               + (s["switch_s"] - s["reference_switch_s"] if reference else 0.0) for s in steady]
+    switch_time = statistics.median(switch)  # the median step: the machine's other load
+    # (a stray process, a collection) lands on some steps, not on the switches' cost
     backups = max((s.get("backup_peak_bytes", 0) for s in steps), default=0)
     process = loop_peak_bytes()
     return {"bytes_moved": mean([s["copied_out_bytes"] + s["copied_in_bytes"]
                                  for s in steady]),
-            "switch_time": mean(switch), "peak_slot": summary["slot_peak_bytes"],
+            "switch_time": switch_time, "peak_slot": summary["slot_peak_bytes"],
             "peak_host": process + backups, "process_bytes": process,
             "host_backup_bytes": backups}
 
