@@ -114,7 +114,7 @@ def test_no_modules_import_each_other_even_for_type_hints():
 # from its own part, from parts below it, or from the shared base (below every part).
 COLOCATE_LAYERS = (
     ("colocate.phases", "colocate.testing"),
-    ("colocate.engines", "colocate.resources"),
+    ("colocate.engines", "colocate.resources", "colocate.planning"),
     ("colocate.arbiter",),
     ("colocate.memory", "colocate.shm_files"),
     ("colocate.telemetry",),

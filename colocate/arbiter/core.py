@@ -106,8 +106,10 @@ class SlotArbiter:
                 for stage in slot.awake.get(step.tenant, ()):
                     if step.stages is None or stage in step.stages:
                         slept[step.tenant, stage] = slept.get((step.tenant, stage), 0) + 1
-        slot.traffic = SlotTraffic(slot.traffic.moved + result.moved, slept,
-                                   slot.traffic.peak_bytes)
+        before = slot.traffic
+        moved = before.moved + result.moved
+        slot.traffic = SlotTraffic(moved, slept, before.peak_bytes, max(
+            before.backup_peak_bytes, moved.copied_out - before.moved.copied_in))
         if result.failure is not None:
             raise PlanFailed(result.failure, plan[result.failure.index])
         for step in plan:
@@ -300,7 +302,8 @@ class SlotArbiter:
     def _note_peak(self, slot: Slot, holder: str) -> None:  # after a switch to `holder`
         t = slot.traffic
         slot.traffic = SlotTraffic(t.moved, t.slept,
-                                   max(t.peak_bytes, room.used_bytes(slot, holder)))
+                                   max(t.peak_bytes, room.used_bytes(slot, holder)),
+                                   t.backup_peak_bytes)
 
     # -- handoff: the one moment two tenants are partly awake ----------------------------
 

@@ -19,11 +19,14 @@ class SlotTraffic:
     """What one slot's switches did so far: the bytes moved (`moved.copied_out`, `copied_in`,
     `discarded`), how often each tenant's stage slept ((tenant, stage) -> count), and the
     most memory the slot held right after a switch (with the awake tenant's working memory
-    on CPU slots; the device's reading on GPU slots; 0 when the policy measures nothing)."""
+    on CPU slots; the device's reading on GPU slots; 0 when the policy measures nothing),
+    and the most host memory its tenants' backups held at once (a plan's sleeps copy out
+    before its wakes copy back: at most what was out before it and all it copied out)."""
 
     moved: Traffic = Traffic()
     slept: dict[tuple[str, str], int] = field(default_factory=dict)
     peak_bytes: int = 0
+    backup_peak_bytes: int = 0
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,11 +50,29 @@ def write_tiny_model(path: str | os.PathLike, architecture: str = "llama",
     std `init_std`); the same seed writes the same weights."""
     import transformers
 
+    config = tiny_config(architecture, alphabet, hidden_size, layers, heads, kv_heads,
+                         intermediate_size, max_positions, tie_embeddings, init_std)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = Path(path)
+    model.save_pretrained(path)
+    save_char_tokenizer(alphabet, path)
+    return path
+
+
+def tiny_config(architecture: str = "llama", alphabet: str = "0123456789>",
+                hidden_size: int = 64, layers: int = 2, heads: int = 2, kv_heads: int = 1,
+                intermediate_size: int = 128, max_positions: int = 32,
+                tie_embeddings: bool = False, init_std: float = 0.02) -> Any:
+    """The transformers config `write_tiny_model` writes, without writing anything (a plan
+    sizes the model from it)."""
+    import transformers
+
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture={architecture!r}: use one of {ARCHITECTURES}")
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                     "qwen3": transformers.Qwen3Config}[architecture]
-    config = config_class(
+    return config_class(
         vocab_size=len(SPECIALS) + len(alphabet), hidden_size=hidden_size,
         intermediate_size=intermediate_size, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -61,9 +80,3 @@ def write_tiny_model(path: str | os.PathLike, architecture: str = "llama",
         tie_word_embeddings=tie_embeddings, initializer_range=init_std, pad_token_id=0,
         bos_token_id=1, eos_token_id=2,
         dtype="float32")
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    path = Path(path)
-    model.save_pretrained(path)
-    save_char_tokenizer(alphabet, path)
-    return path

@@ -1,6 +1,9 @@
 """`python -m examples.rl_loop [--config FILE] [--engine vllm] [section.field=value ...]`:
 GRPO on the toy task with the trainer and the generator time-sharing the same slots.
 Writes reward.png, memory.png and metrics.json under run.out (default runs/rl_loop).
+`--plan` prints what each switch of a step will move and cost, and whether the run fits,
+without running it (exit status 3 when it does not fit); `--calibrate` measures the
+switches' fixed costs on this machine (examples/rl_loop/plan.py, colocate/planning).
 
 A setting or input the run cannot use (a field, a value, a data file, a reward function, a
 model directory, a checkpoint to resume) is refused before anything starts, as one line
@@ -38,13 +41,36 @@ def main(argv: list[str] | None = None) -> None:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML file (default: examples/rl_loop/config.yaml)")
     parser.add_argument("--engine", choices=["torch", "vllm"], help="the generator engine")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the run's plan for one step and write it as JSON "
+                             "(--plan-out, default run.out/plan.json); nothing runs")
+    parser.add_argument("--plan-out", help="where --plan writes its JSON")
+    parser.add_argument("--rates", help="the rates file a plan is priced with (default: "
+                                        "run.rates, else this machine's, calibrated once)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this machine's switch costs with two short runs and "
+                             "keep them in the rates file (--rates, or this machine's)")
     parser.add_argument("overrides", nargs="*", help="section.field=value, e.g. run.steps=20")
     args = parser.parse_args(argv)
     overrides = list(args.overrides) + ([f"run.engine={args.engine}"] if args.engine else [])
+    overrides += [f"run.rates={args.rates}"] if args.rates else []
     try:
         cfg = load_config(args.config, overrides)
     except ValueError as err:
         refuse(err)
+    if args.calibrate:
+        from examples.rl_loop.calibrate import calibrate_switches
+
+        print(json.dumps(calibrate_switches(args.rates), indent=2))
+        return
+    if args.plan:
+        from examples.rl_loop.plan import print_plan
+
+        try:
+            fits = print_plan(cfg, args.plan_out)
+        except REFUSED as err:
+            refuse(err)
+        sys.exit(0 if fits else 3)
     from examples.rl_loop.loop import Loop  # torch and the runtime: after the config
 
     try:

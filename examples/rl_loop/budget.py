@@ -60,11 +60,13 @@ class Size:
         return sum(b for b, _ in self.stages.values()) + self.working
 
 
-def tenant_sizes(cfg: RLConfig, model_dir: Path, rank: int | None = 0) -> dict[str, Size]:
+def tenant_sizes(cfg: RLConfig, model: Path | transformers.PretrainedConfig,
+                 rank: int | None = 0) -> dict[str, Size]:
     """Each tenant's size on slot `rank` (see module; None: as if unsharded, the whole
     model on the slot), in the order they take their turns in a step: generator, reference
-    (grpo.beta > 0), trainer."""
-    config = transformers.AutoConfig.from_pretrained(model_dir)
+    (grpo.beta > 0), trainer. `model`: the model's directory, or its config."""
+    config = model if isinstance(model, transformers.PretrainedConfig) \
+        else transformers.AutoConfig.from_pretrained(model)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     params = list(model.parameters())  # tied: once
@@ -96,7 +98,8 @@ def shard_bytes(param: torch.Tensor, rank: int, world: int) -> int:
     return mine * (param.numel() // rows) * param.element_size()
 
 
-def slot_sizes(cfg: RLConfig, model_dir: Path) -> list[dict[str, Size]]:
+def slot_sizes(cfg: RLConfig, model_dir: Path | transformers.PretrainedConfig
+               ) -> list[dict[str, Size]]:
     """The tenants each slot of the run holds, with their sizes there: colocated, all of
     them on each of `run.slots` of every host (in rank order); apart
     (`run.colocate=false`), the trainer (and the reference) on those and the generator alone
@@ -125,7 +128,8 @@ def auto_capacity(sizes: dict[str, Size]) -> int:
     return int(max(1.05 * max(totals), min(1.3 * max(totals), 0.9 * sum(totals))))
 
 
-def arbiter_config(cfg: RLConfig, model_dir: Path, on_gpu: bool) -> ArbiterConfig:
+def arbiter_config(cfg: RLConfig, model_dir: Path | transformers.PretrainedConfig,
+                   on_gpu: bool) -> ArbiterConfig:
     """The arbiter's config for the run's policy, slot memory and bound on a call to a
     proc (`run.call_timeout_s`)."""
     run = cfg.run
@@ -187,8 +191,9 @@ class StepTraffic:
 
     async def since_last(self, services: dict[str, Service]) -> dict[str, Any]:
         """The bytes copied out to host memory, in from it and discarded since the last
-        call, each service's stages' sleeps ("service/stage" -> count), and the most a slot
-        held after a switch so far."""
+        call, each service's stages' sleeps ("service/stage" -> count), the most a slot
+        held after a switch so far, and the most host memory the slots' backups held so
+        far (each slot's most, summed)."""
         now = {(h, s): t for h, slots in (await self.rm.traffic()).items()
                for s, t in slots.items()}
         owner = {tenant: name for name, service in services.items()
@@ -204,4 +209,5 @@ class StepTraffic:
         self.seen = now
         return {"copied_out_bytes": moved.copied_out, "copied_in_bytes": moved.copied_in,
                 "discarded_bytes": moved.discarded, "slept": dict(sorted(slept.items())),
-                "slot_peak_bytes": max((t.peak_bytes for t in now.values()), default=0)}
+                "slot_peak_bytes": max((t.peak_bytes for t in now.values()), default=0),
+                "backup_peak_bytes": sum(t.backup_peak_bytes for t in now.values())}

@@ -157,6 +157,7 @@ class RunConfig:
     cpu_threads: int = 0  # torch's intra-op threads in each slot proc (0: torch's, every core)
     call_timeout_s: float = 0.0  # a call to a slot proc past this counts as a hung proc:
     # killed, and its group restarted as after a crash (0: the services' and arbiter's own)
+    rates: str = ""  # the rates file the run's plan is priced with ("": this machine's own)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

@@ -15,7 +15,8 @@ one, as the same run. At the end the trained model is written to `run.out/model/
 Hugging Face directory.
 
 Around the step: the runtime and the services (`runtime.py`), the checkpoints
-(`saves.py`), the step's clock (`timing.py`), the run's summary (`summary.py`).
+(`saves.py`), the step's clock (`timing.py`), the run's summary (`summary.py`), and the
+run's plan, made as it starts and checked in its summary (`plan.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from examples.rl_loop.hooks import Hooks
 from examples.rl_loop.memory import ProcPeaks, devices_of, resident_per_proc
 from examples.rl_loop.partial import PartialRollouts
 from examples.rl_loop.partial_episodes import PartialAgentRollouts
+from examples.rl_loop.plan import plan_check, plan_for_run
 from examples.rl_loop.record import RunRecord
 from examples.rl_loop.recovery import Recovery
 from examples.rl_loop.rollouts import Rollout, Rollouts
@@ -309,6 +311,7 @@ class Loop:
         if first_step > self.cfg.run.steps:
             raise ValueError(f"run.steps={self.cfg.run.steps}: the checkpoint {resumed[0]} "
                              f"is already at step {first_step}; give run.steps >= that")
+        plan = plan_for_run(self.cfg, self.model_dir, self.out)  # checked at the end
         await self.start(None if resumed is None else resumed[0])
         rt = self.runtime
         devices = {name: await devices_of(service) for name, service in rt.services().items()}
@@ -333,6 +336,10 @@ class Loop:
                             restarts=len(self.record.restarts), task=self.source.summary,
                             peaks=None if rt.reference is None else self.peaks,
                             budget=budget_summary(self.cfg, rt.arbiter, self.model_dir))
+        summary["plan"] = plan_check(plan, self.record.steps[1:], summary,
+                                     rt.reference is not None)
+        for off in summary["plan"]["off"]:
+            logger.warning("the run's plan is off: %s", off)
         if saves.write_failures:  # each saved again at once (`saves.py`)
             summary["checkpoint_write_failures"] = [
                 {k: v for k, v in failure.items() if k != "detected_at"}

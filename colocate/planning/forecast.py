@@ -1,0 +1,279 @@
+"""What each switch of a step will move on one slot, known before anything runs.
+
+The decisions are the arbiter's own: a `SlotArbiter` (core.py, with its policy, room.py
+and handoff_plan.py) is driven through the step's turns against tenants that exist only as
+byte counts (`_Counted`), on a slot of the declared capacity. So the plan and the real
+switches cannot disagree about what sleeps: they are one code. What the client does
+without the arbiter is mirrored here as `ResourceManager` and `Handoffs` do it: a wake of
+a tenant that already holds its slot costs nothing, and a sync on a roomy slot is the copy
+alone, in place (`room.roomy`).
+
+    tenants = [TenantSpec("trainer", {"weights": (w, True), "optimizer": (2 * w, True),
+                                      "grads": (w, False)}),
+               TenantSpec("generator", {"weights": (w, False)}, working_bytes=kv)]
+    step = [Wake("generator"), Wake("trainer"), Sync("trainer", "generator")]
+    found = forecast_slot(tenants, step, capacity, start=[Sync("trainer", "generator")])
+    found.step  # the steady step's switches: what slept, bytes out and in, the peak
+
+A tenant is registered awake, whole, as a spawned one is (one that may not stay awake
+beside the others sleeps at once, as `SlotArbiter.register` does); the `start` turns run
+once, then the step's turns `steps` times: the first step and the last (the steady one)
+are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from colocate.arbiter import room
+from colocate.arbiter.config import ArbiterConfig
+from colocate.arbiter.core import SlotArbiter
+from colocate.arbiter.errors import ArbiterError
+from colocate.arbiter.policy import Policy
+from colocate.arbiter.tenant import TenantInfo
+
+# releases are never measured in a forecast: nothing is held to measure
+UNMEASURED = 1 << 62
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    """One tenant on one slot: stage -> (bytes, kept across a sleep: copied to host memory
+    and back; else dropped), in wake order, and the working memory its calls take."""
+
+    name: str
+    stages: Mapping[str, tuple[int, bool]]
+    working_bytes: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(b for b, _ in self.stages.values()) + self.working_bytes
+
+
+@dataclass(frozen=True)
+class Wake:
+    """A turn: `tenant` awake, holding the slot for its calls (`phase(tenant)`)."""
+
+    tenant: str
+
+    def label(self) -> str:
+        return f"wake {self.tenant}"
+
+
+@dataclass(frozen=True)
+class Sync:
+    """A turn: `source`'s weights copied into `target` (`services.sync_weights`)."""
+
+    source: str
+    target: str
+    keep: tuple[str, ...] = ("weights",)
+    first: tuple[str, ...] = ("weights",)
+
+    def label(self) -> str:
+        return f"sync {self.source} -> {self.target}"
+
+
+Turn = Wake | Sync
+
+
+@dataclass(frozen=True)
+class Moved:
+    """One stage that slept or woke in a switch."""
+
+    tenant: str
+    stage: str
+    nbytes: int
+    copied: bool  # to (or from) host memory; else dropped (or refilled empty)
+
+
+@dataclass
+class Switch:
+    """One turn's switch on the slot: how it goes (`way`: "none", nothing to do;
+    "arbiter", the arbiter's plans; "in_place", the sync's copy alone), the stages that
+    slept and woke, the bytes copied to host memory and back, dropped, and copied within
+    the slot (a sync's weights), what the slot held after it with the awake tenant's
+    working memory (counted as the arbiter counts its peak: after its measured wakes and
+    handoffs; else 0), and the most host copies held during it (its sleeps copy out
+    before its wakes copy back)."""
+
+    turn: str
+    way: str
+    slept: list[Moved] = field(default_factory=list)
+    woken: list[Moved] = field(default_factory=list)
+    in_slot_bytes: int = 0
+    peak_bytes: int = 0
+    backup_bytes: int = 0
+
+    @property
+    def copied_out(self) -> int:
+        return sum(m.nbytes for m in self.slept if m.copied)
+
+    @property
+    def copied_in(self) -> int:
+        return sum(m.nbytes for m in self.woken if m.copied)
+
+    @property
+    def discarded(self) -> int:
+        return sum(m.nbytes for m in self.slept if not m.copied)
+
+    @property
+    def refilled(self) -> int:
+        return sum(m.nbytes for m in self.woken if not m.copied)
+
+
+@dataclass
+class SlotForecast:
+    """A slot's switches: at the start, in the first step and in the steady step; `fits`
+    False with `why` when a turn could not be made (the arbiter's own error)."""
+
+    capacity: int | None
+    tenants: list[TenantSpec]
+    start: list[Switch] = field(default_factory=list)
+    first_step: list[Switch] = field(default_factory=list)
+    step: list[Switch] = field(default_factory=list)
+    fits: bool = True
+    why: str = ""
+
+    def moved_per_step(self) -> int:
+        """Bytes copied to host memory and back in the steady step."""
+        return sum(s.copied_out + s.copied_in for s in self.step)
+
+    def peak_bytes(self) -> int:
+        """The most the slot held after a switch, over every switch forecast."""
+        return max((s.peak_bytes for s in self.start + self.first_step + self.step),
+                   default=0)
+
+    def backup_peak_bytes(self) -> int:
+        """The most host memory the slot's backups held at once."""
+        return max((s.backup_bytes for s in self.start + self.first_step + self.step),
+                   default=0)
+
+
+class _Counted:
+    """A tenant that is only its byte counts: its sleeps and wakes are recorded, nothing is
+    held (a `TenantHandle` for the arbiter)."""
+
+    def __init__(self, spec: TenantSpec, log: list[Moved]) -> None:
+        self.name, self.spec, self.log = spec.name, spec, log
+        self.awake = list(spec.stages)
+
+    async def sleep(self, stages: Sequence[str] | None = None) -> int:
+        going = [s for s in reversed(self.awake) if stages is None or s in stages]
+        for stage in going:
+            nbytes, kept = self.spec.stages[stage]
+            self.log.append(Moved(self.name, stage, nbytes, kept))
+        self.awake = [s for s in self.awake if s not in going]
+        return sum(self.spec.stages[s][0] for s in going)
+
+    async def wake(self, stages: Sequence[str]) -> None:
+        for stage in stages:
+            if stage not in self.awake:
+                nbytes, kept = self.spec.stages[stage]
+                self.log.append(Moved(self.name, stage, -nbytes, kept))  # negative: woken
+                self.awake.append(stage)
+        self.awake = [s for s in self.spec.stages if s in self.awake]
+
+    async def receive(self, source: str) -> int:
+        return self.spec.stages.get("weights", (0, True))[0]
+
+    async def describe(self) -> TenantInfo:
+        bytes_ = {s: b for s, (b, _) in self.spec.stages.items()}
+        return TenantInfo(pid=os.getpid(), device="cpu", stages=tuple(self.spec.stages),
+                          awake_stages=tuple(self.awake),
+                          resident_bytes=sum(bytes_[s] for s in self.awake),
+                          tagged_bytes=sum(bytes_.values()), stage_bytes=bytes_,
+                          kept=tuple(s for s, (_, k) in self.spec.stages.items() if k),
+                          working_bytes=self.spec.working_bytes)
+
+
+class _Simulation:
+    """One slot's arbiter and its counted tenants, taking turns."""
+
+    def __init__(self, tenants: Sequence[TenantSpec], capacity: int | None,
+                 policy: str | Policy) -> None:
+        self.arbiter = SlotArbiter([0], ArbiterConfig(
+            policy=policy, slot_capacity_bytes=capacity, min_verified_bytes=UNMEASURED))
+        self.log: list[Moved] = []
+        self.tenants = {t.name: _Counted(t, self.log) for t in tenants}
+        self.backup = 0  # host copies held now
+
+    @property
+    def slot(self):  # noqa: ANN201 (the arbiter's Slot)
+        return self.arbiter.slots[0]
+
+    async def register(self) -> Switch:
+        for tenant in self.tenants.values():
+            await self.arbiter.register(0, tenant)
+        return self._switch("spawn", "arbiter", 0, None)
+
+    async def turn(self, turn: Turn) -> Switch:
+        slot, arbiter = self.slot, self.arbiter
+        measures = arbiter.policy.measures
+        if isinstance(turn, Wake):
+            name = turn.tenant
+            whole = set(slot.awake.get(name, ())) >= set(slot.infos[name].stages)
+            holds = not measures or not slot.infos[name].working_bytes \
+                or slot.holder == name or room.roomy(slot, arbiter.config, arbiter.policy)
+            if whole and holds:  # ResourceManager.wake: nothing to do
+                return self._switch(turn.label(), "none", 0, None)
+            await arbiter.wake(name)
+            return self._switch(turn.label(), "arbiter", 0, name)
+        source, target = turn.source, turn.target
+        if measures and room.roomy(slot, arbiter.config, arbiter.policy) \
+                and set(slot.awake.get(target, ())) >= set(slot.infos[target].stages) \
+                and set(slot.awake.get(source, ())) >= set(turn.keep):
+            copied = await self.tenants[target].receive(source)  # Handoffs: in place
+            return self._switch(turn.label(), "in_place", copied, None)
+        copied = await arbiter.handoff(source, target, [0], turn.keep, turn.first)
+        return self._switch(turn.label(), "arbiter", copied, target)
+
+    def _switch(self, label: str, way: str, copied: int, holder: str | None) -> Switch:
+        slept = [m for m in self.log if m.nbytes >= 0]
+        woken = [Moved(m.tenant, m.stage, -m.nbytes, m.copied) for m in self.log
+                 if m.nbytes < 0]
+        self.log.clear()
+        found = Switch(label, way, slept, woken, copied)
+        found.backup_bytes = self.backup + found.copied_out  # its sleeps copy out first
+        self.backup += found.copied_out - found.copied_in
+        if holder is not None and self.arbiter.policy.measures:  # as `_note_peak` counts
+            found.peak_bytes = room.used_bytes(self.slot, holder)
+        return found
+
+
+def forecast_slot(tenants: Sequence[TenantSpec], step: Sequence[Turn],
+                  capacity: int | None, policy: str | Policy = "budget",
+                  start: Sequence[Turn] = (), steps: int = 3) -> SlotForecast:
+    """The switches of `step`'s turns on a slot of `capacity` bytes holding `tenants`
+    (registered in that order), under `policy`, after the `start` turns (see module).
+    Callable from inside a running event loop too (it runs on a thread of its own then)."""
+    forecast = _forecast(list(tenants), list(step), capacity, policy, list(start), steps)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(forecast)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, forecast).result()
+
+
+async def _forecast(tenants: list[TenantSpec], step: list[Turn], capacity: int | None,
+                    policy: str | Policy, start: list[Turn], steps: int) -> SlotForecast:
+    found = SlotForecast(capacity, tenants)
+    if capacity is None and policy == "budget":
+        found.fits, found.why = False, "the budget policy needs a slot capacity"
+        return found
+    sim = _Simulation(tenants, capacity, policy)
+    try:
+        found.start.append(await sim.register())
+        found.start += [await sim.turn(t) for t in start]
+        for index in range(max(1, steps)):
+            switches = [await sim.turn(t) for t in step]
+            if index == 0:
+                found.first_step = switches
+            found.step = switches
+    except ArbiterError as err:
+        found.fits, found.why = False, str(err)
+    return found

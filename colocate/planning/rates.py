@@ -1,0 +1,167 @@
+"""How fast this machine moves a slot's memory: the rates a plan turns bytes into seconds,
+measured by a short calibration and kept in a file.
+
+`calibrate(device)` times, on `device` ("cpu", or "cuda" for the current GPU), what a
+switch does to a stage: the memory layer's own pause and resume of a tag with backup (the
+copy to host memory and back) and without (a drop, and its refill at the wake), and a copy
+within the slot (a sync's weights copied in place); and the raw copies between host and
+slot memory, pinned and not (on CPU slots, which are host memory, a memcpy). A switch also
+has a fixed cost per way (its messages, the release checks, the view's bookkeeping), which
+the caller measures on its own runtime and adds (`Rates.fixed_s`: "wake" and "sync" through
+the arbiter, "in_place" for a sync's copy alone, "none" for a wake with nothing to do; 0
+until measured; `fixed_per_slot_s`, what each further slot of a host adds, since one
+arbiter a host carries out every slot's switch), and so is the peak memory of the process
+that drives a run (`process_bytes`), part of the host's.
+
+`load_rates(path)` reads a file written by `save`; `cached_rates(device)` reads this
+machine's (`default_path`) or calibrates and writes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from colocate import memory
+
+CALIBRATION_BYTES = 64 << 20  # the stage a calibration moves
+ROUNDS = 3  # each figure: the median of this many
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Bytes per second of each way a stage moves, and a switch's fixed cost per way."""
+
+    device: str  # "cpu", or the GPU's name
+    backup_out: float  # a pause with backup: slot -> host memory
+    backup_in: float  # a resume with backup: host memory -> slot
+    drop: float  # a pause without backup
+    refill: float  # a resume without backup (memory held again, contents not)
+    in_slot: float  # a copy within slot memory (a sync's weights, in place)
+    pinned_to_slot: float | None = None  # raw copies (CUDA only: on CPU slots, None)
+    slot_to_pinned: float | None = None
+    pageable_to_slot: float | None = None  # raw copies from unpinned host memory
+    slot_to_pageable: float | None = None
+    fixed_s: dict[str, float] = field(default_factory=dict)  # way -> seconds a switch
+    # way -> the seconds each further slot of the host adds to a switch (one arbiter a host)
+    fixed_per_slot_s: dict[str, float] = field(default_factory=dict)
+    process_bytes: int = 0  # the driving process's peak memory, as its caller measured it
+    host: str = ""  # the machine measured
+    measured_at: str = ""
+
+    def seconds(self, way: str, copied_out: int = 0, copied_in: int = 0, discarded: int = 0,
+                refilled: int = 0, in_slot: int = 0, slots: int = 1) -> float:
+        """A switch's predicted time on a host of `slots` slots switching together: its
+        way's fixed cost and each byte of one slot at its rate."""
+        return (self.fixed_s.get(way, 0.0)
+                + (slots - 1) * self.fixed_per_slot_s.get(way, 0.0)
+                + copied_out / self.backup_out
+                + copied_in / self.backup_in + discarded / self.drop
+                + refilled / self.refill + in_slot / self.in_slot)
+
+    def with_fixed(self, fixed_s: dict[str, float], fixed_per_slot_s: dict[str, float],
+                   process_bytes: int) -> Rates:
+        """These rates with the fixed costs (other ways kept) and `process_bytes` measured."""
+        return dataclasses.replace(
+            self, fixed_s={**self.fixed_s, **fixed_s},
+            fixed_per_slot_s={**self.fixed_per_slot_s, **fixed_per_slot_s},
+            process_bytes=process_bytes)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        tmp.replace(path)
+
+
+def load_rates(path: Path) -> Rates:
+    """The rates in `path` (a file `Rates.save` wrote); ValueError naming what is wrong."""
+    try:
+        found = json.loads(Path(path).read_text())
+        return Rates(**found)
+    except (OSError, json.JSONDecodeError, TypeError) as err:
+        raise ValueError(f"rates file {path}: {err}") from err
+
+
+def default_path(device: str = "cpu") -> Path:
+    """This machine's rates file: $COLOCATE_RATES, else under the user's cache directory."""
+    if os.environ.get("COLOCATE_RATES"):
+        return Path(os.environ["COLOCATE_RATES"])
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "colocate" / f"rates-{platform.node()}-{device}.json"
+
+
+def cached_rates(device: str = "cpu", path: Path | None = None) -> Rates:
+    """This machine's rates from its file (`default_path`), calibrated and written first
+    when there is none."""
+    path = path or default_path(device)
+    if path.exists():
+        return load_rates(path)
+    rates = calibrate(device)
+    rates.save(path)
+    return rates
+
+
+def calibrate(device: str = "cpu", nbytes: int = CALIBRATION_BYTES) -> Rates:
+    """Measure the rates on `device` (see module); a second or two."""
+    on = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" \
+        else torch.device("cpu")
+
+    def rate(run: Callable[[], Callable[[], None]]) -> float:
+        """Bytes per second of the timed part `run()` returns, its median over ROUNDS."""
+        times = []
+        for _ in range(ROUNDS):
+            timed = run()
+            _sync(on)
+            began = time.perf_counter()
+            timed()
+            _sync(on)
+            times.append(time.perf_counter() - began)
+        return nbytes / max(statistics.median(times), 1e-9)
+
+    found: dict[str, Any] = {}
+    for backup, out_key, in_key in ((True, "backup_out", "backup_in"),
+                                    (False, "drop", "refill")):
+        tag = f"calibration/{'backup' if backup else 'drop'}-{os.getpid()}"
+        stage = torch.ones(nbytes, dtype=torch.uint8, device=on)
+        memory.adopt(stage, tag, backup=backup)
+        found[out_key] = rate(lambda tag=tag: _then(tag, memory.TagState.ACTIVE))
+        found[in_key] = rate(lambda tag=tag: _then(tag, memory.TagState.PAUSED))
+        if memory.state(tag) is memory.TagState.PAUSED:
+            memory.resume(tag)
+        del stage
+    source = torch.ones(nbytes, dtype=torch.uint8, device=on)
+    target = torch.empty_like(source)
+    found["in_slot"] = rate(lambda: lambda: target.copy_(source))
+    if on.type == "cuda":
+        for pin, to_key, from_key in ((True, "pinned_to_slot", "slot_to_pinned"),
+                                      (False, "pageable_to_slot", "slot_to_pageable")):
+            host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pin)
+            found[to_key] = rate(lambda host=host: lambda: target.copy_(host, non_blocking=True))
+            found[from_key] = rate(lambda host=host: lambda: host.copy_(target, non_blocking=True))
+    name = torch.cuda.get_device_name(on) if on.type == "cuda" else "cpu"
+    return Rates(device=name, host=platform.node(),
+                 measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **found)
+
+
+def _then(tag: str, state: memory.TagState) -> Callable[[], None]:
+    """Bring `tag` to `state` now (untimed); the timed part leaves it: an active tag is
+    paused, a paused one resumed."""
+    if memory.state(tag) is not state:
+        (memory.pause if state is memory.TagState.PAUSED else memory.resume)(tag)
+    return lambda: (memory.pause if state is memory.TagState.ACTIVE else memory.resume)(tag)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,133 @@
+"""A run's plan (colocate.planning, examples/rl_loop/plan.py): its stage sizes are the real
+tenants', `--plan` starts nothing and writes its JSON, a plan that does not fit says why,
+and a short run's summary holds its figures against the plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from colocate.engines.generator import TorchGenerator
+from colocate.engines.models import load_model
+from colocate.engines.tiny import write_tiny_model
+from colocate.engines.trainer import PolicyTrainer
+from colocate.planning import Rates, Sync, TenantSpec, Wake, forecast_slot, plan_run
+from examples.rl_loop import task
+from examples.rl_loop.config import load_config
+from examples.rl_loop.plan import model_config, tenants
+
+pytestmark = pytest.mark.timeout(300)
+
+# fixed rates, so that a test's plan does not depend on this machine's
+RATES = Rates(device="cpu", backup_out=1e9, backup_in=1e9, drop=1e11, refill=1e10,
+              in_slot=5e9, fixed_s={"wake": 0.01, "sync": 0.01, "in_place": 0.002},
+              process_bytes=500 << 20)
+
+
+@pytest.fixture
+def rates_file(tmp_path):
+    path = tmp_path / "rates.json"
+    RATES.save(path)
+    return path
+
+
+def test_the_plans_stage_sizes_are_the_real_tenants(tmp_path):
+    cfg = load_config()
+    m = cfg.model
+    path = write_tiny_model(tmp_path / "m", m.architecture, alphabet=task.ALPHABET,
+                            hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
+                            kv_heads=m.kv_heads, intermediate_size=m.intermediate_size,
+                            max_positions=m.max_positions)
+    planned = {t.name: t for t in tenants(cfg, model_config(cfg, task.ALPHABET))[0]}
+    trainer = PolicyTrainer(load_model(path), prefix="plan_trainer")
+    batch = torch.randint(3, 10, (2, 8), generator=torch.Generator().manual_seed(0))
+    trainer.step(lambda module, b: (module(input_ids=b).logits.mean(), {}), batch)
+    generator = TorchGenerator(load_model(path), max_batch=cfg.generator.max_batch,
+                               prefix="plan_generator", keep_weights=False)  # as the loop
+    for name, real in (("trainer", trainer.tenancy.describe()),
+                       ("generator", generator.tenancy.describe())):
+        spec = planned[name]
+        assert list(spec.stages) == list(real.stages)
+        for stage, (nbytes, kept) in spec.stages.items():
+            # the estimate leaves out the model's buffers (a rotary table: 128 bytes here)
+            assert abs(real.size(stage) - nbytes) <= 0.001 * nbytes, (name, stage)
+            assert kept == (stage in real.kept)
+        assert spec.working_bytes == real.working_bytes
+
+
+def test_plan_starts_nothing_and_writes_its_json(tmp_path, rates_file, monkeypatch, capsys):
+    import examples.rl_loop.loop as loop
+    from examples.rl_loop.__main__ import main
+
+    def no_loop(*args, **kwargs):
+        raise AssertionError("--plan built the loop")
+
+    monkeypatch.setattr(loop, "Loop", no_loop)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as done:
+        main(["--plan", "--rates", str(rates_file), f"run.out={out}"])
+    assert done.value.code == 0
+    assert not (out / "metrics.json").exists()
+    plan = json.loads((out / "plan.json").read_text())
+    printed = capsys.readouterr().out
+    assert plan["fits"] and "fits: yes" in printed
+    slot = plan["slots"][0]
+    assert set(slot["tenants"]) == {"trainer", "generator"}
+    assert set(slot["tenants"]["trainer"]["stages"]) == {"weights", "optimizer", "grads"}
+    # auto's capacity: the trainer's weights go to host memory and back once a step
+    weights = slot["tenants"]["trainer"]["stages"]["weights"]["bytes"]
+    assert plan["predicted"]["bytes_moved_per_step"] == 2 * weights
+    assert [s["turn"] for s in slot["step"]] == [
+        "wake generator", "wake trainer", "sync trainer -> generator"]
+    assert plan["predicted"]["switch_time_per_step_s"] == pytest.approx(
+        sum(s["seconds"] for s in slot["step"]))
+    with pytest.raises(SystemExit) as done:  # a slot below the trainer alone: exit status 3
+        main(["--plan", "--rates", str(rates_file), f"run.out={out}",
+              "run.slot_memory=500KiB"])
+    assert done.value.code == 3
+    printed = capsys.readouterr().out
+    assert "fits: no: slot 0: " in printed and "cannot wake" in printed
+
+
+def test_a_plan_that_does_not_fit_names_why():
+    trainer = TenantSpec("trainer", {"weights": (100, True), "optimizer": (200, True),
+                                     "grads": (100, False)})
+    generator = TenantSpec("generator", {"weights": (100, False)}, working_bytes=50)
+    step = [Wake("generator"), Wake("trainer"), Sync("trainer", "generator")]
+    start = [Sync("trainer", "generator")]
+    fits = forecast_slot([trainer, generator], step, 400, start=start)
+    # the generator's turn (150 with its working memory) beside the trainer's 300 kept:
+    # its weights (the smaller kept stage) go out and come back once a step
+    assert fits.fits and fits.moved_per_step() == 200 and fits.peak_bytes() == 400
+    small = forecast_slot([trainer, generator], step, 300, start=start)
+    assert not small.fits and "needs" in small.why and "300" not in small.why.split(":")[0]
+    host = plan_run([[trainer, generator]], step, 400, RATES, start=start,
+                    host_capacity_bytes=150, host_other_bytes=100)  # + 100 of backups
+    assert not host.fits and host.why.startswith("the host:") and "capacity" in host.why
+    roomy = forecast_slot([trainer, generator], step, 10_000, start=start)
+    assert roomy.moved_per_step() == 0
+    assert [s.way for s in roomy.step] == ["none", "none", "in_place"]
+
+
+async def test_a_short_run_checks_its_plan(tmp_path, rates_file):
+    from examples.rl_loop.loop import Loop
+
+    cfg = load_config(overrides=["run.steps=3", "run.eval_every=3", "run.save_every=0",
+                                 f"run.out={tmp_path}", f"run.rates={rates_file}"])
+    summary = await Loop(cfg).run()
+    checked = summary["plan"]
+    assert checked["fits"]
+    for name in ("bytes_moved", "switch_time", "peak_slot", "peak_host"):
+        figure = checked[name]
+        assert figure["error"] == pytest.approx(
+            (figure["predicted"] - figure["measured"]) / figure["measured"])
+    assert abs(checked["bytes_moved"]["error"]) <= 0.01
+    assert abs(checked["peak_slot"]["error"]) <= 0.10
+    assert checked["bytes_moved"]["predicted"] > 0
+    assert checked["measured_host_backup_bytes"] > 0  # the trainer's weights, out a step
+    assert (tmp_path / "plan.json").exists()
+    assert [line.split(":")[0] for line in checked["off"]] == [
+        name for name in ("bytes_moved", "switch_time", "peak_slot", "peak_host")
+        if not checked[name]["within"]]
