@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from colocate.memory.backups import DISK, DROP, HOST, BackupCount
+from colocate.memory.backups import DISK, DROP, HOST, BackupCount, backup_directory
 from colocate.memory.errors import TaggedMemoryError
 from colocate.memory.repoint import Held, mode, move
 
@@ -206,8 +206,7 @@ class ArenaBackend:
 
     def directory(self) -> str:
         """Where backups to disk go (see `backups.py`)."""
-        return self.backup_dir or os.environ.get("COLOCATE_BACKUP_DIR") \
-            or tempfile.gettempdir()
+        return backup_directory(self.backup_dir)
 
     def region(self, tag: str, backup: bool) -> AbstractContextManager[None]:
         if mode() != "swap":

@@ -19,11 +19,18 @@ since it was last read, which a switch's answer carries to the arbiter.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 from dataclasses import dataclass
 
 HOST, DISK, DROP = "host", "disk", "drop"
 PLACES = (HOST, DISK, DROP)
+
+
+def backup_directory(path: str | None) -> str:
+    """Where backups to disk go: `path`, else `$COLOCATE_BACKUP_DIR`, else the temp dir."""
+    return path or os.environ.get("COLOCATE_BACKUP_DIR") or tempfile.gettempdir()
 
 
 @dataclass(frozen=True)
