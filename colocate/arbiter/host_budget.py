@@ -203,8 +203,9 @@ def _slept(slot: Slot, step: Step) -> list[str]:
     return [s for s in awake if step.stages is None or s in step.stages]
 
 
-def _disk_free(directory: str) -> int | None:
+def _disk_free(directory: str) -> int:
+    """The bytes free in `directory`; 0 where it cannot be read (it does not exist)."""
     try:
         return shutil.disk_usage(directory).free
     except OSError:
-        return None
+        return 0
