@@ -87,6 +87,12 @@ def test_the_ledger_places_a_plan_counts_it_and_never_counts_a_stage_twice():
     slot.awake["trainer"] = ("weights", "optimizer")  # the rollback's view: all awake
     ledger.resync(slot)
     assert ledger.entries == {}
+    # a handoff's plan sleeps its source twice (the optimizer, then the rest): each stage
+    # is placed and counted once, as the plan's steps leave it
+    twice = ledger.place(slot, [Step(SLEEP, "trainer", ("optimizer",)), Step(SLEEP, "trainer")])
+    ledger.settle(slot, twice)
+    assert ledger.entries == {(0, "trainer", "optimizer"): ("host", 20),
+                              (0, "trainer", "weights"): ("disk", 10)}
 
 
 def test_the_host_capacity_is_the_cgroups_room_else_memavailable(tmp_path):

@@ -103,6 +103,8 @@ class SlotArbiter:
         log.remember(slot, (step.tenant for step in plan))
         if not plan:
             return PlanResult()
+        if self.host.unsure(slot, plan):
+            await self._describe_all(slot)
         plan = self.host.place(slot, plan)  # where each kept stage's backup goes
         result = await self.courier.carry_out(slot, plan, log)
         self.host.observe(result.backups)

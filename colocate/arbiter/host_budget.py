@@ -126,27 +126,41 @@ class HostLedger:
     def held(self, place: str = HOST) -> int:
         return sum(n for p, n in self.entries.values() if p == place)
 
+    def unsure(self, slot: Slot, steps: list[Step]) -> bool:
+        """Whether the sizes the arbiter last heard may be too old to place `steps`'
+        backups: the host's budget is finite and the tenants they sleep could not keep all
+        they hold and may grow to (their stages and working memory) within what is free.
+        Then the tenants are asked first (a stage grows as its tenant works: AdamW's
+        state appears at the first step)."""
+        if self.capacity is None:
+            return False
+        sleepers = {s.tenant for s, slept in _walk(slot, steps) if slept}
+        bound = sum(sum(i.size(s) for s in i.kept) + i.working_bytes + slot.extra_need.get(n, 0)
+                    for n, i in slot.infos.items() if n in sleepers)
+        return self.held() + bound > self.capacity
+
     def place(self, slot: Slot, steps: list[Step]) -> list[Step]:
         """`steps` with a place for each stage their sleeps keep (`choose`)."""
+        walk = _walk(slot, steps)
         backups = [Backup(slot.index, s.tenant, stage, slot.infos[s.tenant].size(stage),
                           stage in slot.infos[s.tenant].refillable)
-                   for s in steps if s.op == SLEEP for stage in _slept(slot, s)
+                   for s, slept in walk for stage in slept
                    if stage in slot.infos[s.tenant].kept]
         if not backups:
             return steps
         directory = backup_directory(self.backup_dir)
         places = choose(backups, self.held(), self.capacity, _disk_free(directory), directory)
         return [replace(s, places=tuple(
-            (stage, places[slot.index, s.tenant, stage]) for stage in _slept(slot, s)
+            (stage, places[slot.index, s.tenant, stage]) for stage in slept
             if places.get((slot.index, s.tenant, stage), HOST) != HOST))  # host: the default
-            if s.op == SLEEP else s for s in steps]
+            if s.op == SLEEP else s for s, slept in walk]
 
     def settle(self, slot: Slot, done: Sequence[Step]) -> None:
         """Count what the plan's `done` steps did (before the slot records them)."""
-        for step in done:
+        for step, slept in _walk(slot, done):
             if step.op == SLEEP:
                 places = dict(step.places)
-                for stage in _slept(slot, step):
+                for stage in slept:
                     if stage in slot.infos[step.tenant].kept:
                         self._add((slot.index, step.tenant, stage), places.get(stage, HOST),
                                   slot.infos[step.tenant].size(stage))
@@ -197,10 +211,20 @@ class HostLedger:
                 "backup_dir": backup_directory(self.backup_dir)}
 
 
-def _slept(slot: Slot, step: Step) -> list[str]:
-    """The stages a sleep step releases: those of its stages awake now."""
-    awake = slot.awake.get(step.tenant, ())
-    return [s for s in awake if step.stages is None or s in step.stages]
+def _walk(slot: Slot, steps: Sequence[Step]) -> list[tuple[Step, list[str]]]:
+    """Each step with the stages it releases (a sleep: those of its stages awake by then,
+    as the steps before it in the plan leave the slot; other steps: none)."""
+    awake = {name: list(stages) for name, stages in slot.awake.items()}
+    found = []
+    for step in steps:
+        mine = awake.setdefault(step.tenant, [])
+        slept = [s for s in mine if step.op == SLEEP and (step.stages is None
+                                                           or s in step.stages)]
+        if step.op == WAKE:
+            mine += [s for s in step.stages or () if s not in mine]
+        awake[step.tenant] = [s for s in mine if s not in slept]
+        found.append((step, slept))
+    return found
 
 
 def _disk_free(directory: str) -> int:
