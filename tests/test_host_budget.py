@@ -95,6 +95,50 @@ def test_the_ledger_places_a_plan_counts_it_and_never_counts_a_stage_twice():
                               (0, "trainer", "weights"): ("disk", 10)}
 
 
+def test_the_plans_of_two_slots_in_flight_at_once_share_the_host_budget():
+    ledger = HostLedger(capacity=25, backup_dir=None)
+    one, two = (slot_with(("weights", "optimizer"), ("weights", "optimizer")) for _ in "12")
+    two.index = 1
+    first = ledger.place(one, [Step(SLEEP, "trainer")])
+    assert first[0].places == (("weights", "disk"),)  # 20 of the 25 given to slot 0's plan
+    second = ledger.place(two, [Step(SLEEP, "trainer")])  # before slot 0's plan answered
+    assert dict(second[0].places) == {"weights": "disk", "optimizer": "disk"}
+    ledger.settle(one, first)
+    ledger.settle(two, second)
+    assert (ledger.held(), ledger.held("disk"), ledger.pending) == (20, 40, {})
+
+
+def refill_scenario() -> dict:
+    """A generator whose kept weights its next sync rewrites sleeps where the host has no
+    room for them: they are dropped, not copied, and it says so."""
+    from colocate.arbiter import ArbiterConfig, SlotArbiter, TaggedTenant
+    from colocate.arbiter.local import LocalTenantHandle
+
+    async def run() -> dict:
+        arbiter = SlotArbiter([0], ArbiterConfig(host_capacity_bytes=0,
+                                                 backup_dir="/nonexistent/colocate-backup"))
+        generator = TaggedTenant({"weights": "g/weights"}, refillable=("weights",))
+        held = [torch.ones(4 * MiB // 4), torch.ones(MiB // 4)]  # a tag holds weak refs
+        generator.adopt(held[0], "weights")
+        other = TaggedTenant({"cache": "o/cache"}, backup={"cache": False})
+        other.adopt(held[1], "cache")
+        await arbiter.register(0, LocalTenantHandle("generator", generator))
+        await arbiter.register(0, LocalTenantHandle("other", other))
+        await arbiter.wake("other")
+        return {"lost": generator.lost("weights"), "traffic": memory.traffic(),
+                "summary": arbiter.host_memory()}
+
+    return asyncio.run(run())
+
+
+def test_a_refillable_stage_is_dropped_not_copied_when_the_host_has_no_room(isolated):
+    out = isolated(refill_scenario)
+    assert out["lost"]  # its owner refills it before use (a generator: the next sync)
+    # the other's cache as it registered beside the generator, then the generator's weights
+    assert out["traffic"].copied_out == 0 and out["traffic"].discarded == 5 * MiB
+    assert out["summary"]["peak_backup_bytes"] == out["summary"]["peak_disk_backup_bytes"] == 0
+
+
 def test_the_host_capacity_is_the_cgroups_room_else_memavailable(tmp_path):
     (tmp_path / "memory.max").write_text("1000000\n")
     (tmp_path / "memory.current").write_text("400000\n")
@@ -158,7 +202,8 @@ def switch_scenario(capacity: int, backup_dir: str) -> dict:
         trainer.adopt(weights, "weights")
         trainer.adopt(optimizer, "optimizer")
         generator = TaggedTenant({"weights": "g/weights"}, backup={"weights": False})
-        generator.adopt(torch.ones(8 * MiB // 4), "weights")
+        cache = torch.ones(8 * MiB // 4)  # a tag holds weak references
+        generator.adopt(cache, "weights")
         await arbiter.register(0, LocalTenantHandle("trainer", trainer))
         await arbiter.register(0, LocalTenantHandle("generator", generator))
         out: dict = {}

@@ -100,7 +100,8 @@ def choose(backups: Sequence[Backup], held: int, capacity: int | None,
             f"a switch on slot {slot} must back up {need} bytes "
             f"({', '.join(f'{b.tenant}/{b.stage}: {b.nbytes}' for b in backups)}) but only "
             f"{free} of the host's {capacity} bytes for backups are free ({held} held by "
-            f"the backups of sleeping stages), and {where}. Raise the host's capacity for "
+            f"the backups of sleeping stages or given to switches under way), and {where}. "
+            "Raise the host's capacity for "
             "backups (run.host_memory; ArbiterConfig.host_capacity_bytes), set the backup "
             "directory to a disk with room (run.backup_dir; ArbiterConfig.backup_dir), or "
             "give the slots more memory (run.slot_memory) so that fewer stages sleep "
@@ -118,6 +119,9 @@ class HostLedger:
         self.capacity = capacity
         self.backup_dir = backup_dir
         self.entries: dict[Key, tuple[str, int]] = {}  # a sleeping kept stage: place, bytes
+        # slot -> host bytes its plan in flight was given (the slots of a host switch at
+        # once: each plan's backups are counted from its placing, not only once it is done)
+        self.pending: dict[int, int] = {}
         self.peak_counted = 0  # the most host bytes counted held at once
         self.measured: dict[int, BackupReading] = {}  # pid -> its last reading
         self.peak_measured = 0  # the most host bytes the procs' backups held at once
@@ -125,6 +129,10 @@ class HostLedger:
 
     def held(self, place: str = HOST) -> int:
         return sum(n for p, n in self.entries.values() if p == place)
+
+    def committed(self) -> int:
+        """The host bytes counted held, and given to the plans in flight."""
+        return self.held() + sum(self.pending.values())
 
     def unsure(self, slot: Slot, steps: list[Step]) -> bool:
         """Whether the sizes the arbiter last heard may be too old to place `steps`'
@@ -134,13 +142,15 @@ class HostLedger:
         state appears at the first step)."""
         if self.capacity is None:
             return False
+        self.pending.pop(slot.index, None)  # a plan of its slot that never answered
         sleepers = {s.tenant for s, slept in _walk(slot, steps) if slept}
         bound = sum(sum(i.size(s) for s in i.kept) + i.working_bytes + slot.extra_need.get(n, 0)
                     for n, i in slot.infos.items() if n in sleepers)
-        return self.held() + bound > self.capacity
+        return self.committed() + bound > self.capacity
 
     def place(self, slot: Slot, steps: list[Step]) -> list[Step]:
         """`steps` with a place for each stage their sleeps keep (`choose`)."""
+        self.pending.pop(slot.index, None)  # one plan a slot at a time: an older one is over
         walk = _walk(slot, steps)
         backups = [Backup(slot.index, s.tenant, stage, slot.infos[s.tenant].size(stage),
                           stage in slot.infos[s.tenant].refillable)
@@ -149,14 +159,18 @@ class HostLedger:
         if not backups:
             return steps
         directory = backup_directory(self.backup_dir)
-        places = choose(backups, self.held(), self.capacity, _disk_free(directory), directory)
+        places = choose(backups, self.committed(), self.capacity, _disk_free(directory),
+                        directory)
+        self.pending[slot.index] = sum(b.nbytes for b in backups if places[b.key] == HOST)
         return [replace(s, places=tuple(
             (stage, places[slot.index, s.tenant, stage]) for stage in slept
             if places.get((slot.index, s.tenant, stage), HOST) != HOST))  # host: the default
             if s.op == SLEEP else s for s, slept in walk]
 
     def settle(self, slot: Slot, done: Sequence[Step]) -> None:
-        """Count what the plan's `done` steps did (before the slot records them)."""
+        """Count what the plan's `done` steps did (before the slot records them); its
+        slot's plan is no longer in flight."""
+        self.pending.pop(slot.index, None)
         for step, slept in _walk(slot, done):
             if step.op == SLEEP:
                 places = dict(step.places)
