@@ -137,14 +137,16 @@ class HostLedger:
     def unsure(self, slot: Slot, steps: list[Step]) -> bool:
         """Whether the sizes the arbiter last heard may be too old to place `steps`'
         backups: the host's budget is finite and the tenants they sleep could not keep all
-        they hold and may grow to (their stages and working memory) within what is free.
+        their awake kept stages hold and may grow to (their working memory) within what is
+        free.
         Then the tenants are asked first (a stage grows as its tenant works: AdamW's
         state appears at the first step)."""
         if self.capacity is None:
             return False
         self.pending.pop(slot.index, None)  # a plan of its slot that never answered
         sleepers = {s.tenant for s, slept in _walk(slot, steps) if slept}
-        bound = sum(sum(i.size(s) for s in i.kept) + i.working_bytes + slot.extra_need.get(n, 0)
+        bound = sum(sum(i.size(s) for s in i.kept if s in slot.awake.get(n, ()))
+                    + i.working_bytes + slot.extra_need.get(n, 0)
                     for n, i in slot.infos.items() if n in sleepers)
         return self.committed() + bound > self.capacity
 
