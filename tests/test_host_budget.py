@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,27 @@ def test_a_switch_that_fits_nowhere_is_refused_naming_the_bytes_and_what_to_do()
     assert (err.value.needed, err.value.free) == (30, 10)
     with pytest.raises(HostMemoryError, match="already holds more than its capacity"):
         choose(found, held=20, capacity=10, disk_free=None)
+
+
+def test_a_choice_never_takes_the_host_past_its_capacity_nor_copies_what_it_need_not():
+    rng = random.Random(0)
+    for _ in range(2000):
+        found = [Backup(0, f"t{i}", "s", rng.randrange(0, 100), rng.random() < 0.3)
+                 for i in range(rng.randrange(1, 6))]
+        held, capacity = rng.randrange(0, 150), rng.randrange(0, 300)
+        disk = rng.choice([None, rng.randrange(0, 300)])
+        try:
+            places = choose(found, held, capacity, disk)
+        except HostMemoryError as err:
+            assert err.needed == sum(b.nbytes for b in found)
+            continue
+        host = sum(b.nbytes for b in found if places[b.key] == "host")
+        to_disk = sum(b.nbytes for b in found if places[b.key] == "disk")
+        assert held + host <= capacity
+        assert disk is None or to_disk <= disk
+        if held + sum(b.nbytes for b in found) <= capacity:
+            assert set(places.values()) <= {"host"}  # all fit: nothing dropped or on disk
+        assert not any(places[b.key] == "drop" for b in found if not b.refillable)
 
 
 def slot_with(kept: tuple[str, ...], awake: tuple[str, ...]) -> Slot:
