@@ -4,8 +4,9 @@ For each size (MiB), in a fresh spawned process so that RSS readings start clean
 the median of `--repeats` pause/resume cycles:
 
 CPU (the mmap arena, `colocate.memory.arena`):
-  - backup=True: a tensor of random bytes is adopted under a tag, then paused (written to an
-    unlinked file in `$COLOCATE_BACKUP_DIR` or the temp dir, then `MADV_DONTNEED`) and
+  - backup=True: a tensor of random bytes is adopted under a tag, then paused to disk
+    (`place="disk"`: written to an unlinked file in `$COLOCATE_BACKUP_DIR` or the temp dir,
+    each piece `MADV_DONTNEED`ed once written) and
     resumed (read back into the same pages). Released fraction = RSS drop over the pause /
     bytes. After every resume the contents are compared with a copy taken before adoption;
     any difference raises. The copy is resident through both RSS readings, so it cancels.
@@ -122,7 +123,10 @@ def _cycle(tag: str, nbytes: int, read: Callable[[], int], cuda: bool, samples: 
     if cuda:  # the pause empties the allocator's cache too (`release_cached`): only the
         torch.cuda.empty_cache()  # tag's bytes count (the H200 run read 2.0 without this)
     before = read()
-    samples[f"{prefix}pause_s"].append(_timed(lambda: memory.pause(tag), cuda))
+    # on CPU to disk, as its raw baselines write (the budget's fallback; host memory, the
+    # default place, is the same pwrite into a memfd)
+    place = memory.HOST if cuda else memory.DISK
+    samples[f"{prefix}pause_s"].append(_timed(lambda: memory.pause(tag, place), cuda))
     samples[f"{prefix}released"].append((before - read()) / nbytes)
     samples[f"{prefix}resume_s"].append(_timed(lambda: memory.resume(tag), cuda))
 

@@ -171,11 +171,12 @@ class FailingSleepTenant(MemoryTenant):
         self.healthy_sleeps = healthy_sleeps
 
     @endpoint
-    def sleep(self, stages: list[str] | None = None) -> int:
+    def sleep(self, stages: list[str] | None = None,
+              places: dict[str, str] | None = None) -> int:
         if self.healthy_sleeps <= 0:
             raise RuntimeError("injected sleep failure")
         self.healthy_sleeps -= 1
-        return self.tenancy.sleep(stages)
+        return self.tenancy.sleep(stages, places)
 
 
 class ScratchTenant(MemoryTenant):

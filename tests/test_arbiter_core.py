@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import random
+import sys
 
 import pytest
 import torch
@@ -147,9 +147,11 @@ def test_concurrent_conflicting_wakes_never_leave_two_awake(isolated):
 
 
 def failing_sleep_scenario() -> dict:
-    # A real fault: the backup directory is gone, so the weights tenant cannot save itself.
+    # A real fault: the host has no memory for backups and the backup directory is a file,
+    # so the weights tenant cannot save itself.
     async def run():
-        arbiter = SlotArbiter([0])
+        arbiter = SlotArbiter([0], ArbiterConfig(host_capacity_bytes=0,
+                                                 backup_dir=sys.executable))
         trainer, weights, _ = make_tenant("trainer", 16, seed=1)
         # the generator needs no backup file, so it can sleep
         generator, generator_weights, _ = make_tenant("generator", 16, seed=2, backup=False)
@@ -166,7 +168,6 @@ def failing_sleep_scenario() -> dict:
         out["generator_state"] = memory.state("generator/weights").value
         return out
 
-    os.environ["COLOCATE_BACKUP_DIR"] = "/nonexistent/colocate-backup"
     return asyncio.run(run())
 
 

@@ -333,8 +333,8 @@ def test_a_backup_saves_the_storages_bytes_not_the_huge_page_padding(tmp_path):
     registry.adopt(large, "padded", backup=True)  # a second chunk: two huge pages
     chunks = backend.arenas["padded"].live_chunks()
     assert [len(c) for c in chunks] == [HUGE_PAGE, 2 * HUGE_PAGE]
-    registry.pause("padded")
-    written = os.fstat(backend.arenas["padded"].backup.fileno()).st_size
+    registry.pause("padded", place="disk")
+    written = os.fstat(backend.arenas["padded"].backup.fd).st_size
     assert written == 300 * 1024 + HUGE_PAGE + 4096  # both sizes are multiples of ALIGN
     registry.resume("padded")
     assert [_digest(small), _digest(large)] == digests  # each chunk read from its offset
@@ -351,11 +351,11 @@ def test_failed_backup_leaves_the_tag_active_and_intact(tmp_path, monkeypatch):
     digest = _digest(t)
     registry.adopt(t, "fragile", backup=True)
     with pytest.raises(memory.TaggedMemoryError, match="still active"):
-        registry.pause("fragile")
+        registry.pause("fragile", place="disk")
     assert registry.state("fragile") is memory.TagState.ACTIVE
     assert _digest(t) == digest
     os.makedirs(tmp_path / "missing")
-    registry.pause("fragile")  # works once the cause is fixed
+    registry.pause("fragile", place="disk")  # works once the cause is fixed
     registry.resume("fragile")
     assert _digest(t) == digest
 

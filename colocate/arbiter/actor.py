@@ -222,8 +222,9 @@ class TenantActor(Actor, metaclass=_KeepsInitError):
             memory.set_capacity(capacity)
 
     @endpoint
-    def sleep(self, stages: list[str] | None = None) -> int:
-        return self.tenancy.sleep(stages)
+    def sleep(self, stages: list[str] | None = None,
+              places: dict[str, str] | None = None) -> int:
+        return self.tenancy.sleep(stages, places)
 
     @endpoint
     def wake(self, stages: list[str]) -> None:

@@ -32,6 +32,11 @@ class ArbiterConfig:
     # a switch with preemption: how long a tenant's running preemptible calls may take to
     # return what they have before the switch fails, naming it
     preempt_timeout_s: float = 30.0
+    # the host's memory for the backups of sleeping stages (host_budget.py); None: what the
+    # host has available when the arbiter starts (the cgroup's limit, else MemAvailable)
+    host_capacity_bytes: int | None = None
+    backup_dir: str | None = None  # backups that the host has no room for go to disk here
+    # (None: $COLOCATE_BACKUP_DIR, else the temp dir)
 
     def __post_init__(self) -> None:
         policy = None if isinstance(self.policy, Policy) \
@@ -45,7 +50,10 @@ class ArbiterConfig:
                     "preempt_timeout_s")),
                 check_int("min_verified_bytes", self.min_verified_bytes, 0),
                 check_int("slot_capacity_bytes", self.slot_capacity_bytes, 1, optional=True),
-                check_int("headroom_bytes", self.headroom_bytes, 0)):
+                check_int("headroom_bytes", self.headroom_bytes, 0),
+                check_int("host_capacity_bytes", self.host_capacity_bytes, 0, optional=True),
+                None if self.backup_dir is None or isinstance(self.backup_dir, str)
+                else f"backup_dir={self.backup_dir!r}: give a directory's path or None"):
             if problem:
                 raise ArbiterConfigError(f"ArbiterConfig.{problem}")
 

@@ -23,6 +23,7 @@ from colocate.arbiter.delivery import AFTER_LOSS, Courier, find_lost, watched
 from colocate.arbiter.errors import ArbiterError, SwitchError, TenantLostError
 from colocate.arbiter.explain import Explain, PlanFailed, raise_errors, step_error, switch_error
 from colocate.arbiter.handoff_plan import handoff_error, handoff_steps
+from colocate.arbiter.host_budget import HostLedger, host_capacity
 from colocate.arbiter.plan import RECEIVE, SLEEP, WAKE, PlanResult, Step
 from colocate.arbiter.slot import Slot, SlotTraffic, holding
 from colocate.arbiter.tenant import TenantHandle, TenantInfo
@@ -41,6 +42,9 @@ class SlotArbiter:
         self.policy = self.config.make_policy()
         self.slots = {i: Slot(i) for i in slots}
         self.courier = Courier(self.config)
+        capacity = self.config.host_capacity_bytes
+        self.host = HostLedger(host_capacity() if capacity is None else capacity,
+                               self.config.backup_dir)
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -99,7 +103,12 @@ class SlotArbiter:
         log.remember(slot, (step.tenant for step in plan))
         if not plan:
             return PlanResult()
+        if self.host.unsure(slot, plan):
+            await self._describe_all(slot)
+        plan = self.host.place(slot, plan)  # where each kept stage's backup goes
         result = await self.courier.carry_out(slot, plan, log)
+        self.host.observe(result.backups)
+        self.host.settle(slot, plan[:result.done])
         slept = dict(slot.traffic.slept)
         for step in plan[:result.done]:
             if step.op == SLEEP:
@@ -151,6 +160,8 @@ class SlotArbiter:
             if step.tenant not in said and step.tenant not in slot.lost:
                 slot.unknown.add(step.tenant)
                 slot.mark(step.tenant, ("?",))
+        self.host.observe(result.backups)
+        self.host.resync(slot)
         failure = result.failure
         return "" if failure is None else f"; the rollback stopped at {failure.label}: " \
                                           f"{failure.cause}"
@@ -186,6 +197,7 @@ class SlotArbiter:
         async with self._hold(chosen):
             for slot in chosen:
                 slot.forget(name)
+                self.host.forget(slot.index, name)
 
     async def wake(self, name: str, slots: Iterable[int] | None = None,
                    stages: Sequence[str] | None = None) -> None:
@@ -369,6 +381,10 @@ class SlotArbiter:
     def find_lost(self, names: Iterable[str]) -> dict[str, str]:
         """Check now that the procs of `names` run (`delivery.find_lost`)."""
         return find_lost(self.slots.values(), names)
+
+    def host_memory(self) -> dict[str, int | str | None]:
+        """The host's backups: capacity, peaks, held now (`HostLedger.summary`)."""
+        return self.host.summary()
 
     def traffic(self) -> dict[int, SlotTraffic]:
         """Per slot: what its switches moved so far (`SlotTraffic`)."""

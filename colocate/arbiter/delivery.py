@@ -131,7 +131,8 @@ class Courier:
         c = self.config
         return Plan(tuple(steps), c.release_fraction, c.release_timeout_s,
                     c.min_verified_bytes,
-                    time.monotonic() + c.call_timeout_s if remote else None, next(self._ids))
+                    time.monotonic() + c.call_timeout_s if remote else None, next(self._ids),
+                    c.backup_dir)
 
     async def carry_out(self, slot: Slot, steps: list[Step], log: UndoLog) -> PlanResult:
         """Run `steps` on `slot`'s procs, a segment per process in order; one answer."""
@@ -148,6 +149,7 @@ class Courier:
             total.moved += part.moved
             total.infos.update(part.infos)
             total.unknown += part.unknown
+            total.backups.update(part.backups)
             if part.failure is not None:
                 part.failure.index += offset
                 total.failure = part.failure
@@ -210,6 +212,7 @@ class Courier:
     async def _run_here(self, slot: Slot, plan: Plan) -> PlanResult:
         """The plan's steps run from here, each tenant call watched (see module)."""
         steps, moved = execute(plan), memory.traffic()
+        memory.set_backup_dir(plan.backup_dir)
         label = plan.steps[0].label() if plan.steps else ""
         answer: Any = None
         thrown: BaseException | None = None
@@ -222,6 +225,7 @@ class Courier:
                                                              TenantLostError):
                     result.failure.kind = "lost"
                 result.moved = memory.traffic().since(moved)  # its tenants live here
+                result.backups = {os.getpid(): memory.backup_reading(reset_peak=True)}
                 return result
             answer, thrown = None, None
             try:

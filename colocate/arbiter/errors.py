@@ -53,3 +53,15 @@ class UnknownStageError(KeyError):
 
     def __str__(self) -> str:  # KeyError's own would quote the whole message
         return str(self.args[0]) if self.args else ""
+
+
+class HostMemoryError(SwitchError):
+    """A switch's backups fit neither the host's memory for backups nor the backup disk;
+    the switch did not happen. `needed` and `free` are the host bytes it asked and had."""
+
+    def __init__(self, message: str, needed: int = 0, free: int = 0) -> None:
+        super().__init__(message)
+        self.needed, self.free = needed, free
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.needed, self.free)

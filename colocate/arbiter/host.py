@@ -7,7 +7,7 @@ import contextlib
 import itertools
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +48,10 @@ class ActorTenantHandle:
             self.lost = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
             raise
 
-    async def sleep(self, stages: Sequence[str] | None = None) -> int:
-        return await self._call("sleep", None if stages is None else list(stages))
+    async def sleep(self, stages: Sequence[str] | None = None,
+                    places: Mapping[str, str] | None = None) -> int:
+        return await self._call("sleep", None if stages is None else list(stages),
+                                None if places is None else dict(places))
 
     async def wake(self, stages: Sequence[str]) -> None:
         await self._call("wake", list(stages))
@@ -157,6 +159,11 @@ class Arbiter(Actor):
     async def traffic(self) -> dict[int, SlotTraffic]:
         """Per slot: what its switches moved so far."""
         return self.core.traffic()
+
+    @concurrent_endpoint
+    async def host_memory(self) -> dict[str, int | str | None]:
+        """This host's backups: capacity, peaks, held now (`SlotArbiter.host_memory`)."""
+        return self.core.host_memory()
 
     @concurrent_endpoint
     async def kill(self, pids: list[int]) -> None:

@@ -9,7 +9,7 @@ switch's plan through these calls itself, step by step (colocate.arbiter.deliver
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from colocate.arbiter.tenant import Tenancy, TenantInfo
@@ -24,8 +24,9 @@ class LocalTenantHandle:
     tenancy: Tenancy
     receiver: Callable[[str], int] | None = None
 
-    async def sleep(self, stages: Sequence[str] | None = None) -> int:
-        return await asyncio.to_thread(self.tenancy.sleep, stages)
+    async def sleep(self, stages: Sequence[str] | None = None,
+                    places: Mapping[str, str] | None = None) -> int:
+        return await asyncio.to_thread(self.tenancy.sleep, stages, places)
 
     async def wake(self, stages: Sequence[str]) -> None:
         await asyncio.to_thread(self.tenancy.wake, stages)

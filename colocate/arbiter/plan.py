@@ -35,6 +35,7 @@ from typing import Any
 
 from colocate import memory, telemetry
 from colocate.arbiter.tenant import TenantInfo
+from colocate.memory.backups import BackupReading
 from colocate.memory.traffic import Traffic
 from colocate.shm_files import forget_progress, progress_path
 
@@ -46,11 +47,13 @@ RELEASE_POLL_S = 0.002  # how often a release check reads the memory again
 class Step:
     """One tenant call of a plan.
 
-    sleep: release `stages` (None: every awake stage); with `verify`, the proc measures the
-        release (at least `release_fraction` of the bytes the tenant says it held) before
-        the next step. wake: bring back `stages`, in order. receive: copy the weights of
-        tenant `source` into the tenant. restore: bring the tenant back to exactly `stages`
-        awake (sleeps first, then wakes), whatever it holds now; answers its account.
+    sleep: release `stages` (None: every awake stage), each kept one's contents at its
+        place in `places` (stage -> host, disk or drop: `host_budget.py`; host when not
+        named); with `verify`, the proc measures the release (at least `release_fraction`
+        of the bytes the tenant says it held) before the next step. wake: bring back
+        `stages`, in order. receive: copy the weights of tenant `source` into the tenant.
+        restore: bring the tenant back to exactly `stages` awake (sleeps first, then
+        wakes), whatever it holds now; answers its account.
     """
 
     op: str
@@ -59,6 +62,7 @@ class Step:
     verify: bool = False
     source: str = ""
     device: str = "cpu"  # where the tenant's memory lives: "cpu", or its GPU's UUID
+    places: tuple[tuple[str, str], ...] = ()  # sleep: (stage, place) of its kept stages
 
     def label(self, phase: str = "call") -> str:
         """The step in words, as errors name it."""
@@ -83,6 +87,7 @@ class Plan:
     min_verified_bytes: int = 1 << 20
     deadline: float | None = None  # time.monotonic() after which no step starts
     id: int = 0
+    backup_dir: str | None = None  # where backups to disk go (None: memory's default)
 
 
 @dataclass
@@ -110,6 +115,8 @@ class PlanResult:
     infos: dict[str, TenantInfo] = field(default_factory=dict)  # restore: each tenant's account
     unknown: list[str] = field(default_factory=list)  # restore: tenants that could not say
     failure: Failure | None = None
+    # pid -> what its backups held (`memory.backup_reading`), read as the plan ended
+    backups: dict[int, BackupReading] = field(default_factory=dict)
 
 
 @dataclass
@@ -201,8 +208,10 @@ def execute(plan: Plan) -> Generator[Op, Any, PlanResult]:
 
 def _sleep(plan: Plan, index: int, step: Step) -> Generator[Op, Any, None]:
     before = (yield Read(step.tenant, step.device)) if step.verify else 0
+    stages = None if step.stages is None else list(step.stages)
+    # places only when one is not the default (host): tenants of before them take no places
     expected = yield Call(step.tenant, SLEEP,
-                          (None if step.stages is None else list(step.stages),))
+                          (stages, dict(step.places)) if step.places else (stages,))
     if not step.verify or expected < plan.min_verified_bytes:
         return
     yield At(plan.id, index, "release")
@@ -243,6 +252,7 @@ def run_here(plan: Plan, find: Callable[[str], Any]) -> PlanResult:
     `receive` and `describe` are tenant `name`'s own (they wait for its calls in flight).
     The answer carries errors as text (their classes may not load where it goes)."""
     began, moved = time.perf_counter(), memory.traffic()
+    memory.set_backup_dir(plan.backup_dir)
     steps = execute(plan)
     answer: Any = None
     thrown: BaseException | None = None
@@ -267,6 +277,7 @@ def run_here(plan: Plan, find: Callable[[str], Any]) -> PlanResult:
     if result.failure is not None:
         result.failure.error = None
     result.moved = memory.traffic().since(moved)
+    result.backups = {os.getpid(): memory.backup_reading(reset_peak=True)}
     clock.plans += 1
     clock.seconds += time.perf_counter() - began
     return result

@@ -34,6 +34,8 @@ class TenantInfo:
     tagged_bytes: int  # held when fully awake
     stage_bytes: Mapping[str, int] = field(default_factory=dict)  # each stage, awake
     kept: tuple[str, ...] = ()  # stages whose contents a sleep copies to host memory
+    # kept stages whose owner rewrites them before use: a sleep may drop them instead
+    refillable: tuple[str, ...] = ()
     working_bytes: int = 0  # what its calls allocate beyond its stages, declared or learned
 
     def size(self, stage: str) -> int:
@@ -44,8 +46,11 @@ class TenantInfo:
 class Tenancy(Protocol):
     """The three calls of a tenant, in its own process (`TaggedTenant`, or an engine's)."""
 
-    def sleep(self, stages: Sequence[str] | None = None) -> int:
-        """Release `stages` that are awake (default: every stage); returns the bytes they
+    def sleep(self, stages: Sequence[str] | None = None,
+              places: Mapping[str, str] | None = None) -> int:
+        """Release `stages` that are awake (default: every stage), each kept one's
+        contents at its place in `places` (stage -> "host", "disk" or "drop": the
+        arbiter's choice, `host_budget.py`; "host" when not named); returns the bytes they
         held."""
         ...
 
@@ -67,9 +72,10 @@ class TenantHandle(Protocol):
 
     name: str
 
-    async def sleep(self, stages: Sequence[str] | None = None) -> int:
-        """Release `stages` (default: every stage); returns the bytes they held (what the
-        arbiter expects back)."""
+    async def sleep(self, stages: Sequence[str] | None = None,
+                    places: Mapping[str, str] | None = None) -> int:
+        """Release `stages` (default: every stage), kept ones at their `places`; returns
+        the bytes they held (what the arbiter expects back)."""
         ...
 
     async def wake(self, stages: Sequence[str]) -> None:
@@ -89,7 +95,9 @@ class TaggedTenant:
     """The default tenant behaviour: stage -> memory tag of this process.
 
     `stages` maps each stage to its tag, in wake order; `backup` says per stage whether its
-    contents survive a sleep (weights: yes; caches: no). `name` is the tenant's name at the
+    contents survive a sleep (weights: yes; caches: no); `refillable` names kept stages
+    whose owner rewrites them before use (it checks `lost`), which a sleep may drop when
+    the host has no room for their backup. `name` is the tenant's name at the
     arbiter, for messages (default: the tags' common prefix, "trainer" for "trainer/weights").
     `working_bytes` is what its calls allocate beyond its stages (activations, a transient
     KV cache): a budget wakes it only with that much free besides.
@@ -98,6 +106,7 @@ class TaggedTenant:
     stages: Mapping[str, str]
     backup: Mapping[str, bool] = field(default_factory=dict)
     name: str | None = None
+    refillable: tuple[str, ...] = ()
     working_bytes: int = 0
     _lost: set[str] = field(default_factory=set, init=False, repr=False)
 
@@ -123,11 +132,19 @@ class TaggedTenant:
         known = set(memory.tags())
         return [stage for stage, tag in self.stages.items() if tag in known]
 
-    def sleep(self, stages: Sequence[str] | None = None) -> int:
-        """Pause `stages` (default: all) that are awake, caches first; returns the bytes
-        they held. (The sleep also gives back what the allocators keep of the process's
-        freed memory, once, after its pauses.)"""
+    def sleep(self, stages: Sequence[str] | None = None,
+              places: Mapping[str, str] | None = None) -> int:
+        """Pause `stages` (default: all) that are awake, caches first, each kept one's
+        contents at its place in `places` (default: host memory); returns the bytes they
+        held. (The sleep also gives back what the allocators keep of the process's freed
+        memory, once, after its pauses.)"""
         self._check_stages(stages or ())
+        places = places or {}
+        dropped = [s for s, p in places.items() if p == memory.DROP and s not in self.refillable
+                   and self.backup.get(s, True)]
+        if dropped:
+            raise ValueError(f"stage(s) {dropped} of {self.tenant} cannot be dropped at a "
+                             f"sleep: they are kept and not refillable ({self.refillable})")
         released = 0
         with memory.pausing_together():  # one malloc_trim for the sleep, not one a stage
             for stage in reversed(self._known()):
@@ -135,8 +152,9 @@ class TaggedTenant:
                     continue
                 tag = self.stages[stage]
                 if memory.state(tag) is memory.TagState.ACTIVE:
-                    released += memory.pause(tag)  # its bytes, counted once by the pause
-                    if not self.backup.get(stage, True):
+                    place = places.get(stage, memory.HOST)
+                    released += memory.pause(tag, place)  # its bytes, counted once
+                    if not self.backup.get(stage, True) or place == memory.DROP:
                         self._lost.add(stage)
         return released
 
@@ -207,6 +225,7 @@ class TaggedTenant:
             stage_bytes={s: memory.tagged_bytes(self.stages[s]) if s in known else 0
                          for s in self.stages},
             kept=tuple(s for s in self.stages if self.backup.get(s, True)),
+            refillable=tuple(s for s in self.refillable if self.backup.get(s, True)),
             working_bytes=self.working_bytes,
         )
 

@@ -28,7 +28,7 @@ computed again (`sessions`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -95,11 +95,12 @@ class _SleepHook(TaggedTenant):
 
     on_sleep: Callable[[], object] | None = None
 
-    def sleep(self, stages: Sequence[str] | None = None) -> int:
+    def sleep(self, stages: Sequence[str] | None = None,
+              places: Mapping[str, str] | None = None) -> int:
         self._check_stages(stages or ())
         if self.on_sleep is not None and (stages is None or stages):
             self.on_sleep()
-        return super().sleep(stages)
+        return super().sleep(stages, places)
 
 
 @dataclass
@@ -140,8 +141,10 @@ class TorchGenerator:
         self.ledger = SessionLedger()
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         stages = {**STAGES, "weights": keep_weights}
+        # kept weights are refillable: the next sync rewrites them, and `generate` refuses
+        # lost ones, so a host without room for their backup may drop them
         self.tenancy = _SleepHook({s: f"{prefix}/{s}" for s in stages}, backup=stages,
-                                  on_sleep=self.session_kv.clear)
+                                  refillable=("weights",), on_sleep=self.session_kv.clear)
         self.model = model.to(device).eval().requires_grad_(False)
         # the tensors a weight sync refills; derived buffers (rotary frequencies) stay
         # untagged: they are small, and no sync would bring them back if discarded

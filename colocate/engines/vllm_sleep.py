@@ -7,7 +7,7 @@ stage sleeps both and wakes the other again)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import vllm
@@ -23,10 +23,12 @@ class VLLMTenancy(ABC):
     called by its own slot's arbiter): the stage checks here; a subclass sleeps, wakes and
     describes the stages its way."""
 
-    def sleep(self, stages: Sequence[str] | None = None) -> int:
-        """Release `stages` (default: all) that are awake; returns the bytes they held."""
+    def sleep(self, stages: Sequence[str] | None = None,
+              places: Mapping[str, str] | None = None) -> int:
+        """Release `stages` (default: all) that are awake, kept ones at their `places`
+        (default: host memory); returns the bytes they held."""
         _check_stages(stages or ())
-        return self._sleep(STAGES if stages is None else tuple(stages))
+        return self._sleep(STAGES if stages is None else tuple(stages), dict(places or {}))
 
     def wake(self, stages: Sequence[str]) -> None:
         """Bring `stages` back, in that order; awake stages are left as they are."""
@@ -37,8 +39,9 @@ class VLLMTenancy(ABC):
         return self.describe().awake_stages
 
     @abstractmethod
-    def _sleep(self, stages: tuple[str, ...]) -> int:
-        """Release those of `stages` that are awake; returns the bytes they held."""
+    def _sleep(self, stages: tuple[str, ...], places: dict[str, str]) -> int:
+        """Release those of `stages` that are awake, kept ones at their `places`; returns
+        the bytes they held."""
 
     @abstractmethod
     def _wake(self, stages: tuple[str, ...]) -> None:
@@ -56,10 +59,10 @@ class ArenaSleep(VLLMTenancy):
         self.llm = llm
         llm.collective_rpc("colocate_adopt", args=(prefix,))
 
-    def _sleep(self, stages: tuple[str, ...]) -> int:
+    def _sleep(self, stages: tuple[str, ...], places: dict[str, str]) -> int:
         if "kv_cache" in stages:
             self.llm.reset_prefix_cache()  # the cache's contents are dropped
-        return self.llm.collective_rpc("colocate_sleep", args=(list(stages),))[0]
+        return self.llm.collective_rpc("colocate_sleep", args=(list(stages), places))[0]
 
     def _wake(self, stages: tuple[str, ...]) -> None:
         self.llm.collective_rpc("colocate_wake", args=(list(stages),))
@@ -76,7 +79,11 @@ class NativeSleep(VLLMTenancy):
         self.pid, self.nbytes = llm.collective_rpc("colocate_sizes")[0]
         self.awake = set(STAGES)
 
-    def _sleep(self, stages: tuple[str, ...]) -> int:
+    def _sleep(self, stages: tuple[str, ...], places: dict[str, str]) -> int:
+        if any(place != "host" for place in places.values()):
+            raise ValueError(f"vLLM's own sleep mode keeps its weights in host memory; it "
+                             f"cannot put them elsewhere ({places}): give the host more "
+                             "memory for backups (run.host_memory)")
         todo = [stage for stage in STAGES if stage in stages and stage in self.awake]
         if not todo:
             return 0

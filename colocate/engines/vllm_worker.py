@@ -135,9 +135,10 @@ class ColocateWorker:
         owned = {"weights": runner.model, "kv_cache": runner.kv_caches}
         return {stage: self.colocate_tenancy.adopt(owned[stage], stage) for stage in BACKUP}
 
-    def colocate_sleep(self, stages: list[str]) -> int:
-        """Pause `stages` that are awake, cache first; returns the bytes they held."""
-        return self.colocate_tenancy.sleep(stages)
+    def colocate_sleep(self, stages: list[str], places: dict[str, str] | None = None) -> int:
+        """Pause `stages` that are awake, cache first, kept ones at their `places`
+        (default: host memory); returns the bytes they held."""
+        return self.colocate_tenancy.sleep(stages, places)
 
     def colocate_wake(self, stages: list[str]) -> None:
         """Resume `stages` that sleep, in that order."""

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from colocate.memory.backups import DISK, DROP, HOST, PLACES, BackupReading
 from colocate.memory.cached import release_cached
 from colocate.memory.cuda import check_allocator_conf, preload_env
 from colocate.memory.errors import (
@@ -67,13 +68,14 @@ def adopt(obj: Any, tag: str, backup: bool = False) -> int:
     return _registry.adopt(obj, tag, backup)
 
 
-def pause(tag: str) -> int:
-    """Release the tag's memory (with backup: after saving it), and what the allocators
+def pause(tag: str, place: str = HOST) -> int:
+    """Release the tag's memory (with backup: after saving it at `place`, `HOST`, `DISK`
+    or `DROP`: see `colocate.memory.backups`), and what the allocators
     keep of the process's freed memory (`release_cached`), so the reading taken after it,
     which the timeline and the leak tracker see, is what the process still holds (in a
     `pausing_together` block: both once the block ends). Returns the bytes the tag held
     (its `resident_bytes` just before)."""
-    return _registry.pause(tag)
+    return _registry.pause(tag, place)
 
 
 def pausing_together() -> AbstractContextManager[None]:
@@ -121,6 +123,18 @@ def ensure_room(nbytes: int, what: str) -> None:
     _registry.check_room(what, "cpu", nbytes)
 
 
+def set_backup_dir(path: str | None) -> None:
+    """Where this process's backups to disk go (None: `$COLOCATE_BACKUP_DIR`, else the
+    system temp dir)."""
+    _registry.set_backup_dir(path)
+
+
+def backup_reading(reset_peak: bool = False) -> BackupReading:
+    """What this process's backups hold: host bytes now and at most since the last reading
+    with `reset_peak` (or since the start), and disk bytes now."""
+    return _registry.backup_reading(reset_peak)
+
+
 def traffic() -> Traffic:
     """What this process's pauses and resumes moved so far: bytes copied to host backup
     and back, and bytes discarded (tags without backup)."""
@@ -133,6 +147,7 @@ def tags() -> list[str]:
 
 
 __all__ = [
+    "DISK", "DROP", "HOST", "PLACES", "BackupReading", "backup_reading", "set_backup_dir",
     "CudaSetupError", "ResumeOutOfMemoryError", "SlotOutOfMemoryError", "TagConflictError",
     "TagPausedError", "TagState", "TagStateError", "TaggedMemoryError", "Traffic",
     "UnknownTagError", "adopt", "check_allocator_conf", "ensure_active", "ensure_room",

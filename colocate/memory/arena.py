@@ -2,13 +2,12 @@
 
 `adopt` copies each storage into an anonymous private mapping and re-points the storage's
 tensors to it (`colocate.memory.repoint`: a data-pointer swap, so every view follows, or
-on torch 2.11 `Tensor.set_` on each tensor found). `pause` writes the
-mappings to an unlinked backup file when the tag has backup, then `MADV_DONTNEED`s them:
-RSS drops at once. `resume` reads the file back into the same addresses, or, without
-backup, faults in zeroed pages, so `data_ptr()` is the same before and after.
-
-The backup file lives in `$COLOCATE_BACKUP_DIR` (default: the system temp dir). Put it on
-a disk, not tmpfs, or the paused bytes stay in RAM.
+on torch 2.11 `Tensor.set_` on each tensor found). `pause` copies the mappings to the
+place asked (`backups.py`): a host buffer of exactly their bytes, or an unlinked file in
+the backup directory; or, without backup or to `DROP`, keeps nothing. It
+`MADV_DONTNEED`s each piece of `PIECE` bytes as soon as it is copied, so a stage is never
+held twice in host memory beyond one piece. `resume` copies the backup back into the same
+addresses, or faults in zeroed pages, so `data_ptr()` is the same before and after.
 """
 
 from __future__ import annotations
@@ -17,15 +16,17 @@ import mmap
 import os
 import tempfile
 import weakref
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import BinaryIO
 
 import torch
 
+from colocate.memory.backups import DISK, DROP, HOST, BackupCount, backup_directory
 from colocate.memory.errors import TaggedMemoryError
 from colocate.memory.repoint import Held, mode, move
 
 HUGE_PAGE = 2 << 20
+PIECE = 32 * HUGE_PAGE  # copied, then released, at a time
 ALIGN = 64
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; not exported by the mmap module
 
@@ -55,8 +56,11 @@ class Chunk(mmap.mmap):
         chunk.used = nbytes
         return chunk
 
-    def release(self) -> None:
-        self.madvise(mmap.MADV_DONTNEED)
+    def release(self, start: int = 0, length: int | None = None) -> None:
+        """Give back the pages of [start, start + length) (default: all); `start` is a
+        multiple of the page size."""
+        self.madvise(mmap.MADV_DONTNEED, start, len(self) - start if length is None
+                     else min(length, len(self) - start))
 
     def populate(self) -> None:
         # the whole mapping: one fault of a huge page costs less than one per small page
@@ -77,13 +81,38 @@ def _read_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[got:], offset + got
 
 
-class TagArena:
-    """The chunks of one tag and, while it is paused with backup, their backup file."""
+class Copy:
+    """A backup of `nbytes`: an unlinked file, written and read with `pwrite`/`preadv`
+    (never mapped), gone when closed. In host memory (`host`, a `memfd`: shared memory
+    pages, not counted in the process's RSS, so a CPU slot's release is measured as a
+    GPU's is, while the host's memory holds the backup) or on disk in `directory`."""
 
-    def __init__(self, backup_dir: str) -> None:
-        self.backup_dir = backup_dir
+    def __init__(self, nbytes: int, directory: str | None = None) -> None:
+        self.nbytes = nbytes
+        self.place = HOST if directory is None else DISK
+        self.file = None if directory is None else tempfile.TemporaryFile(dir=directory)
+        self.fd = os.memfd_create("colocate-backup", os.MFD_CLOEXEC) if self.file is None \
+            else self.file.fileno()
+
+    def write(self, view: memoryview, offset: int) -> None:
+        _write_all(self.fd, view, offset)
+
+    def read(self, view: memoryview, offset: int) -> None:
+        _read_all(self.fd, view, offset)
+
+    def close(self) -> None:
+        if self.file is None:
+            os.close(self.fd)
+        else:
+            self.file.close()
+
+
+class TagArena:
+    """The chunks of one tag and, while it is paused with backup, their backup."""
+
+    def __init__(self) -> None:
         self.chunks: list[weakref.ref[Chunk]] = []
-        self.backup: BinaryIO | None = None
+        self.backup: Copy | None = None
 
     def live_chunks(self) -> list[Chunk]:
         live = [chunk for chunk in (ref() for ref in self.chunks) if chunk is not None]
@@ -109,40 +138,56 @@ class TagArena:
         self.chunks.append(weakref.ref(chunk))
         return moved
 
-    def pause(self, backup: bool) -> None:
+    def pause(self, place: str, make: Callable[[int], Copy]) -> int:
+        """Release the chunks, first copied into `make(bytes)` unless `place` is `DROP`;
+        returns the bytes the backup holds."""
         chunks = self.live_chunks()
-        if backup:
-            self._save(chunks)
+        if place != DROP:
+            self.backup = _save(chunks, make(sum(c.used for c in chunks)))
         for chunk in chunks:
             chunk.release()
+        return 0 if self.backup is None else self.backup.nbytes
 
-    def _save(self, chunks: list[Chunk]) -> None:
-        """Write every chunk to a new backup file; on failure nothing is released."""
-        backup = tempfile.TemporaryFile(dir=self.backup_dir)
-        try:
-            offset = 0
-            for chunk in chunks:
-                with memoryview(chunk) as view:
-                    _write_all(backup.fileno(), view[:chunk.used], offset)
-                offset += chunk.used
-        except BaseException:
-            backup.close()
-            raise
-        self.backup = backup
-
-    def resume(self) -> None:
+    def resume(self) -> int:
+        """Hold the chunks again, their contents copied back from the backup (if any);
+        returns the bytes the backup held (now freed)."""
         chunks = self.live_chunks()
-        if self.backup is None:
+        backup, self.backup = self.backup, None
+        if backup is None:
             for chunk in chunks:
                 chunk.populate()
-            return
+            return 0
         offset = 0
         for chunk in chunks:
             with memoryview(chunk) as view:
-                _read_all(self.backup.fileno(), view[:chunk.used], offset)
+                backup.read(view[:chunk.used], offset)
             offset += chunk.used
-        self.backup.close()
-        self.backup = None
+        backup.close()
+        return backup.nbytes
+
+
+def _save(chunks: list[Chunk], backup: Copy) -> Copy:
+    """Copy the chunks into `backup` a piece at a time, each piece released once copied
+    (never two copies of it in host memory beyond a piece); on failure the released
+    pieces are copied back, the backup is closed and nothing is lost."""
+    done: list[tuple[Chunk, int, int, int]] = []  # chunk, start, length, backup offset
+    offset = 0
+    try:
+        for chunk in chunks:
+            with memoryview(chunk) as view:
+                for start in range(0, chunk.used, PIECE):
+                    length = min(PIECE, chunk.used - start)
+                    backup.write(view[start:start + length], offset + start)
+                    chunk.release(start, length)
+                    done.append((chunk, start, length, offset + start))
+            offset += chunk.used
+    except BaseException:
+        for chunk, start, length, at in done:
+            with memoryview(chunk) as view:
+                backup.read(view[start:start + length], at)
+        backup.close()
+        raise
+    return backup
 
 
 class ArenaBackend:
@@ -150,13 +195,18 @@ class ArenaBackend:
 
     device_type = "cpu"
 
-    def __init__(self, backup_dir: str | None = None) -> None:
-        self.backup_dir = backup_dir or os.environ.get("COLOCATE_BACKUP_DIR") \
-            or tempfile.gettempdir()
+    def __init__(self, backup_dir: str | None = None, count: BackupCount | None = None
+                 ) -> None:
+        self.backup_dir = backup_dir  # None: $COLOCATE_BACKUP_DIR, else the temp dir
+        self.count = count or BackupCount()
         self.arenas: dict[str, TagArena] = {}
 
     def _arena(self, tag: str) -> TagArena:
-        return self.arenas.setdefault(tag, TagArena(self.backup_dir))
+        return self.arenas.setdefault(tag, TagArena())
+
+    def directory(self) -> str:
+        """Where backups to disk go (see `backups.py`)."""
+        return backup_directory(self.backup_dir)
 
     def region(self, tag: str, backup: bool) -> AbstractContextManager[None]:
         if mode() != "swap":
@@ -179,10 +229,14 @@ class ArenaBackend:
     def adopt(self, tag: str, held: list[Held], backup: bool) -> list[torch.UntypedStorage]:
         return self._arena(tag).adopt(held)
 
-    def pause(self, tag: str, backup: bool, device: int | None = None,
+    def pause(self, tag: str, place: str, device: int | None = None,
               storages: list[torch.UntypedStorage] | None = None) -> None:
-        """The arena knows its tag's chunks: `storages` are not needed here."""
-        self._arena(tag).pause(backup)
+        """Pause to `place` (`backups.py`). The arena knows its tag's chunks: `storages`
+        are not needed here."""
+        directory = None if place == HOST else self.directory()
+        self.count.add(place, self._arena(tag).pause(place, lambda n: Copy(n, directory)))
 
     def resume(self, tag: str, nbytes: int = 0, device: int | None = None) -> None:
-        self._arena(tag).resume()
+        arena = self._arena(tag)
+        place = arena.backup.place if arena.backup is not None else DROP
+        self.count.add(place, -arena.resume())

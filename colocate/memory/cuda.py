@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from colocate.memory.errors import CudaSetupError, ResumeOutOfMemoryError
+from colocate.memory.backups import DISK, HOST, BackupCount
+from colocate.memory.errors import CudaSetupError, ResumeOutOfMemoryError, TaggedMemoryError
 from colocate.memory.pinned import PinnedBackup
 from colocate.memory.repoint import Held, move
 
@@ -229,7 +230,7 @@ class CudaBackend:
 
     device_type = "cuda"
 
-    def __init__(self) -> None:
+    def __init__(self, count: BackupCount | None = None) -> None:
         check_allocator_conf(os.environ)
         mode = hook_mode(os.environ)
         if not torch.cuda.is_available():
@@ -243,7 +244,7 @@ class CudaBackend:
         warm_libraries(torch.device("cuda", torch.cuda.current_device()))
         keep_alive_at_exit(lambda: _saver_pools(self.saver))
         self.free_bytes: Callable[[int], int] = device_free_bytes
-        self.backup = PinnedBackup()
+        self.backup = PinnedBackup(count=count)
 
     def region(self, tag: str, backup: bool) -> AbstractContextManager[None]:
         """torch_memory_saver's region, without its CPU backup: a backed-up tag's bytes go
@@ -283,12 +284,18 @@ class CudaBackend:
                           f"bytes of host memory for its backup now ({err}); its next "
                           "pause pins them", RuntimeWarning, stacklevel=3)
 
-    def pause(self, tag: str, backup: bool, device: int,
+    def pause(self, tag: str, place: str, device: int,
               storages: list[torch.UntypedStorage]) -> None:
-        """With `backup`, the live storages' bytes go to pinned memory first; then
-        torch_memory_saver unmaps the tag's memory."""
+        """To `HOST`, the live storages' bytes go to pinned memory first; then
+        torch_memory_saver unmaps the tag's memory. A CUDA tag's backup to disk is not
+        built: refused before anything moves."""
+        if place == DISK:
+            raise TaggedMemoryError(
+                f"pause({tag!r}) to disk: a CUDA tag's backup to disk is not built yet; give "
+                "the host more memory for backups (run.host_memory) or let fewer stages "
+                "sleep (more slot memory)")
         torch.cuda.synchronize()
-        if backup:
+        if place == HOST:
             self.backup.save(tag, storages)
         try:
             self.saver.pause(tag)

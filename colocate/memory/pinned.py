@@ -11,7 +11,8 @@ CUDA backend as a region ends and at `adopt`), not at its first pause: pinning c
 more than a copy (on an H100 the RL loop's first sync, which pinned at its first pause, took
 many times as long as the later ones: bench/RESULTS.md, "What has run on a GPU"), so a pause
 only copies. A tag's host memory is one chunk per growth of its live bytes (never copied
-into a larger one), held for the process's life, exactly the bytes asked: plain host pages,
+into a larger one), held for the process's life and counted as host backup bytes
+(`backups.BackupCount`) from then on, exactly the bytes asked: plain host pages,
 faulted in on torch's threads and then registered with CUDA (`cudaHostRegister`, as torch's
 own `pinned_use_cuda_host_register` does), not torch's pinned allocator, which rounds each
 block up to a power of two. A tag without backup pins nothing.
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from colocate.memory.backups import HOST, BackupCount
 from colocate.memory.repoint import as_bytes
 
 SMALL_BYTES = 4 << 20  # below this a storage goes through the staging buffer
@@ -120,8 +122,9 @@ class PinnedBackup:
     """The backups of paused tags: `reserve` as a tag gets memory, `save` before a pause,
     `restore` after the resume."""
 
-    def __init__(self, pin: bool = True) -> None:
+    def __init__(self, pin: bool = True, count: BackupCount | None = None) -> None:
         self.pin = pin  # False only where there is no CUDA to pin for (tests on CPU)
+        self.count = count or BackupCount()  # the process's host backup bytes
         self.tags: dict[str, _Tag] = {}
         self.saved: dict[str, _Layout] = {}
 
@@ -144,6 +147,7 @@ class PinnedBackup:
     def _grow(self, record: _Tag, need: int) -> None:
         if need > record.capacity:
             record.chunks.append(pinned_host(need - record.capacity, self.pin))
+            self.count.add(HOST, need - record.capacity)
             record.capacity = need
 
     def save(self, tag: str, storages: list[torch.UntypedStorage]) -> None:

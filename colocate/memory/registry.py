@@ -11,19 +11,18 @@ left after each pause feeds the leak tracker.
 
 from __future__ import annotations
 
-import enum
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from colocate import telemetry
+from colocate.memory.backups import DROP, HOST, PLACES, BackupCount, BackupReading
 from colocate.memory.cached import release_cached
 from colocate.memory.capacity import Capacity
 from colocate.memory.devices import check_cuda_device, resolve_device
@@ -36,48 +35,9 @@ from colocate.memory.errors import (
     UnknownTagError,
 )
 from colocate.memory.repoint import Held, complete
-from colocate.memory.storages import Capture, collect_held, revive
+from colocate.memory.storages import Capture, collect_held
+from colocate.memory.tag import Backend, Tag, TagState
 from colocate.memory.traffic import TrafficCounter
-
-
-class TagState(enum.Enum):
-    ACTIVE = "active"
-    PAUSED = "paused"
-
-
-class Backend(Protocol):
-    device_type: str
-
-    def region(self, tag: str, backup: bool) -> Any: ...
-    def claim(self, tag: str, storages: list[torch.UntypedStorage],
-              backup: bool) -> list[torch.UntypedStorage]: ...
-    def adopt(self, tag: str, held: list[Held],
-              backup: bool) -> list[torch.UntypedStorage]: ...
-    def pause(self, tag: str, backup: bool, device: int | None,
-              storages: list[torch.UntypedStorage]) -> None: ...
-    def resume(self, tag: str, nbytes: int, device: int | None) -> None: ...
-
-
-@dataclass
-class Tag:
-    """What the registry knows of one tag."""
-
-    name: str
-    backup: bool
-    state: TagState = TagState.ACTIVE
-    storages: dict[int, StorageWeakRef] = field(default_factory=dict)
-    devices: set[str] = field(default_factory=set)
-    cuda_index: int | None = None  # the CUDA device of its CUDA memory
-    resumed: set[str] = field(default_factory=set)  # device types resumed so far
-
-    def live_storages(self, device_type: str | None = None) -> list[torch.UntypedStorage]:
-        live = {cdata: revive(ref) for cdata, ref in self.storages.items()}
-        self.storages = {c: self.storages[c] for c, s in live.items() if s is not None}
-        return [s for s in live.values()
-                if s is not None and device_type in (None, s.device.type)]
-
-    def nbytes(self, device_type: str | None = None) -> int:
-        return sum(s.nbytes() for s in self.live_storages(device_type))
 
 
 def _reading(device_type: str, index: int | None) -> tuple[int, str]:
@@ -103,6 +63,8 @@ class TagRegistry:
         self._release_due = False  # a pause of the block gives back the allocators' memory
         self.traffic = TrafficCounter()  # what pauses and resumes moved
         self.capacity = Capacity()  # a CPU slot's, when its arbiter gives one
+        self.backups = BackupCount()  # the host and disk bytes its backups hold
+        self.backup_dir: str | None = None  # backups to disk (None: backups.py's default)
 
     # -- backends and tags ------------------------------------------------------------
 
@@ -111,11 +73,11 @@ class TagRegistry:
             if device_type == "cpu":
                 from colocate.memory.arena import ArenaBackend
 
-                self._backends["cpu"] = ArenaBackend()
+                self._backends["cpu"] = ArenaBackend(self.backup_dir, self.backups)
             elif device_type == "cuda":
                 from colocate.memory.cuda import CudaBackend
 
-                self._backends["cuda"] = CudaBackend()
+                self._backends["cuda"] = CudaBackend(self.backups)
             else:
                 raise TaggedMemoryError(
                     f"no memory backend for device type {device_type!r}: use 'cpu' or 'cuda'."
@@ -249,12 +211,22 @@ class TagRegistry:
 
     # -- transitions -----------------------------------------------------------------
 
-    def pause(self, tag: str) -> int:
-        """Pause `tag` on each of its devices; returns the bytes it held (counted once:
-        walking a tag's storages costs a few microseconds each, and a switch pauses
-        several tags)."""
+    def set_backup_dir(self, path: str | None) -> None:
+        """Where backups to disk go from now on (None: `backups.py`'s default)."""
+        with self._lock:
+            self.backup_dir = path
+            if "cpu" in self._backends:
+                self._backends["cpu"].backup_dir = path
+
+    def pause(self, tag: str, place: str = HOST) -> int:
+        """Pause `tag` on each of its devices, its contents (with backup) kept at `place`
+        (`backups.py`); returns the bytes it held (counted once: walking a tag's storages
+        costs a few microseconds each, and a switch pauses several tags)."""
+        if place not in PLACES:
+            raise TaggedMemoryError(f"pause({tag!r}, place={place!r}): use one of {PLACES}")
         with self._lock:
             record = self._get(tag)
+            place = place if record.backup else DROP
             if record.state is TagState.PAUSED:
                 raise TagStateError(f"tag {tag!r} is already paused; resume({tag!r}) first.")
             if tag in self._open:
@@ -270,7 +242,7 @@ class TagRegistry:
                     storages = record.live_storages(device_type)
                     nbytes = sum(s.nbytes() for s in storages)
                     self._measured("pause", record, device_type, nbytes,
-                                   lambda b, s=storages: b.pause(tag, record.backup,
+                                   lambda b, s=storages: b.pause(tag, place,
                                                                  record.cuda_index, s))
                     done.append(device_type)
                     held += nbytes
@@ -282,8 +254,8 @@ class TagRegistry:
                     f"pause({tag!r}) failed on {device_type}; the tag is still active "
                     f"({', '.join(done) or 'nothing'} rolled back): {err}"
                 ) from err
-            record.state = TagState.PAUSED
-            self.traffic.paused(held, record.backup)
+            record.state, record.place = TagState.PAUSED, place
+            self.traffic.paused(held, place != DROP)
             return held
 
     def resume(self, tag: str) -> None:
@@ -304,7 +276,7 @@ class TagRegistry:
                         f"resume({tag!r}) may be retried: {err}"
                     ) from err
                 record.resumed.add(device_type)
-                self.traffic.resumed(nbytes, record.backup)
+                self.traffic.resumed(nbytes, record.place != DROP)
             record.resumed.clear()
             record.state = TagState.ACTIVE
 
@@ -391,6 +363,10 @@ class TagRegistry:
     def tagged_bytes(self, tag: str) -> int:
         with self._lock:
             return self._get(tag).nbytes()
+
+    def backup_reading(self, reset_peak: bool = False) -> BackupReading:
+        """What this process's backups hold (`BackupCount.read`)."""
+        return self.backups.read(reset_peak)
 
     def tags(self) -> list[str]:
         with self._lock:

@@ -257,6 +257,10 @@ class ResourceManager:
     async def traffic(self) -> dict[int, dict[int, SlotTraffic]]:
         return await self.switchboard.traffic()
 
+    @documented_by(Switchboard.host_memory)
+    async def host_memory(self) -> dict[int, dict[str, int | str | None]]:
+        return await self.switchboard.host_memory()
+
     @documented_by(Spawns.usage)
     async def usage(self, timeout_s: float = 10.0
                     ) -> dict[int, dict[int, dict[str, TenantInfo | None]]]:

@@ -260,6 +260,11 @@ class Switchboard:
         """host -> slot -> what its switches moved so far."""
         return await self._each_host("traffic")
 
+    async def host_memory(self) -> dict[int, dict[str, int | str | None]]:
+        """host -> its backups' capacity, peaks and what they hold now
+        (`colocate.arbiter.host_budget.HostLedger.summary`)."""
+        return await self._each_host("host_memory")
+
     async def _each_host(self, endpoint: str) -> dict[int, Any]:
         """host -> what its arbiter's `endpoint` answers."""
         found = await getattr(self._arbiters, endpoint).call()

@@ -39,6 +39,7 @@ from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.envs import Environments
 from examples.rl_loop.episodes import AgentRollouts
 from examples.rl_loop.hooks import Hooks
+from examples.rl_loop.host_memory import host_readings, host_summary
 from examples.rl_loop.memory import ProcPeaks, devices_of, resident_per_proc
 from examples.rl_loop.partial import PartialRollouts
 from examples.rl_loop.partial_episodes import PartialAgentRollouts
@@ -234,6 +235,7 @@ class Loop:
         clock.lap("sync")
         await self.mark("sync", clock)
         moves = await rt.moves.since_last(rt.services())  # what the switches moved
+        moves.update(await host_readings(rt.rm))  # and what the backups held so far
         clock.lap("readings")
         row = {"step": index, **stats, **metrics, **clock.metrics(switch_ahead_s=ahead_s),
                **moves, **rollout.metrics, **beside, **saved}
@@ -335,7 +337,8 @@ class Loop:
                             generator_respawns=rt.resyncs, resumed_at=first_step or None,
                             restarts=len(self.record.restarts), task=self.source.summary,
                             peaks=None if rt.reference is None else self.peaks,
-                            budget=budget_summary(self.cfg, rt.arbiter, self.model_dir))
+                            budget={**budget_summary(self.cfg, rt.arbiter, self.model_dir),
+                                    **host_summary(self.record.steps)})
         summary["plan"] = plan_check(plan, self.record.steps[1:], summary,
                                      rt.reference is not None)
         for off in summary["plan"]["off"]:

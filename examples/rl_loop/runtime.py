@@ -28,6 +28,7 @@ from examples.rl_loop import task
 from examples.rl_loop.budget import StepTraffic, arbiter_config
 from examples.rl_loop.config import RLConfig
 from examples.rl_loop.data import Row
+from examples.rl_loop.host_memory import host_fields
 from examples.rl_loop.recovery import Recovery
 from examples.rl_loop.reference import spawn_reference
 from examples.rl_loop.tools import ToolClient
@@ -88,7 +89,9 @@ class Runtime:
             # run on a thread of their own, each with a team of this many: see README)
             self.threads_before = os.environ.get("OMP_NUM_THREADS", "")
             os.environ["OMP_NUM_THREADS"] = str(run.cpu_threads)
-        self.arbiter = arbiter_config(self.cfg, self.model_dir, torch.cuda.is_available())
+        self.arbiter = dataclasses.replace(  # and the hosts' memory for backups
+            arbiter_config(self.cfg, self.model_dir, torch.cuda.is_available()),
+            **host_fields(run))
         await self._start_hosts()
         await self._spawn()
         await self.load(checkpoint)

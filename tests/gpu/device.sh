@@ -19,7 +19,8 @@
 #           outcome, each part's time, each benchmark's table), gpu-tests-*.xml/.log,
 #           bench-*.log, rl-loop-metrics.json
 #   device: bash tests/gpu/device.sh bench     # longer benchmarks, in a call of their own:
-#           the handoff of 1.7 GB with more rounds (bench/engines.py)
+#           what pin_memory() costs against the memory layer's own pinned buffers
+#           (bench/pinned.py), the handoff of 1.7 GB with more rounds (bench/engines.py)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # The device image has torch (2.11), transformers (5.17), tensorboard, pytest,
@@ -156,6 +157,10 @@ PY
       part "tests: the RL loop (train, save, export, resume)" 120 170 gpu-tests-4.log \
         "${pytest[@]}" tests/gpu/test_rl_loop_cuda.py --junitxml="$out/gpu-tests-4.xml"
     else
+      # what pin_memory() costs (rounded up to a power of two) against the memory layer's
+      # own pinned buffers (the bytes asked); not yet run on a GPU
+      part "bench/pinned.py" 20 60 bench-pinned.log \
+        python3 -m bench.pinned --sizes-mib 256,1024,2304 --out "$out/bench-pinned.json"
       part "bench/engines.py, 5 rounds" 60 480 bench-engines.log \
         python3 -m bench.engines --engines torch --dim 1536 --layers 12 --rounds 5 \
         --out /tmp/bench_engines_cuda/results.json
