@@ -5,7 +5,10 @@ relative errors, (predicted - measured) / measured: `bytes_moved_error` (copied 
 memory and back per step, from the second step on), `switch_time_error` (switch + sync
 time per step), `peak_slot_error` (the most a slot held after a switch),
 `peak_host_error` (the loop process's peak RSS and the most the backups held), against
-`colocate.planning.TARGETS` (1%, 25%, 10%, 15%).
+`colocate.planning.TARGETS` (1%, 25%, 10%, 15%). At each size, the exclusive 1-slot run
+again with a host budget for its backups (`run.host_memory`) of 3/4 of what they held:
+`host_capacity_bytes`, `peak_host_bytes` (the most its backups held in host memory; the
+rest went to disk) and whether its rewards equal the unconstrained run's.
 
 Capacities per size, from the tenants' estimated sizes (as bench/budget.py): "ample"
 (twice what all hold), "tight" (`run.slot_memory=auto`'s), "exclusive" (the largest
@@ -70,10 +73,34 @@ def run_one(overrides: list[str], rates_file: Path, out: Path) -> dict[str, Any]
     row = {f"{k}_error": checked[k]["error"] for k in measured}
     row.update({f"predicted_{k}": checked[k]["predicted"] for k in measured})
     row.update({f"measured_{k}": v for k, v in measured.items()})
+    summary = metrics["summary"]
     row.update(fits=plan["fits"], off=checked["off"], run_s=time.monotonic() - began,
                same_plan_as_run=json.loads((out / "plan.json").read_text())["predicted"]
-               == plan["predicted"])
+               == plan["predicted"], peak_host_bytes=summary["host/peak_backup_bytes"],
+               peak_disk_backup_bytes=summary["host/peak_disk_backup_bytes"],
+               rewards=[s.get("reward") for s in metrics["steps"]])
     return row
+
+
+def host_budget_row(unconstrained: dict[str, Any], overrides: list[str], rates_file: Path,
+                    out: Path) -> dict[str, Any]:
+    """The run of `unconstrained` again with the host's backup budget (`run.host_memory`)
+    three quarters of what its backups held: its peak against that capacity, and whether its rewards
+    are the unconstrained run's."""
+    capacity = max(1, unconstrained["peak_host_bytes"] * 3 // 4)
+    row = run_one([*overrides, f"run.host_memory={capacity}"], rates_file, out)
+    return {**row, "host_capacity_bytes": capacity,
+            "same_rewards_as_unconstrained": row["rewards"] == unconstrained["rewards"]}
+
+
+def report(row: dict[str, Any]) -> None:
+    host = (f"; backups {row['peak_host_bytes']} B of {row['host_capacity_bytes']} B, "
+            f"{row['peak_disk_backup_bytes']} B on disk, same rewards "
+            f"{row['same_rewards_as_unconstrained']}" if "host_capacity_bytes" in row else "")
+    print(f"{row['size']:6} {row['capacity']:9} {row['slots']} slot(s): errors bytes "
+          f"{row['bytes_moved_error']:+.4f}, switch {row['switch_time_error']:+.3f}, slot "
+          f"{row['peak_slot_error']:+.4f}, host {row['peak_host_error']:+.4f}{host} "
+          f"({row['run_s']:.0f} s)", flush=True)
 
 
 def main() -> None:
@@ -106,11 +133,13 @@ def main() -> None:
                            "slots": slots,
                            **run_one(overrides, rates_file, out)}
                     results["runs"].append(row)
-                    print(f"{size:6} {name:9} {slots} slot(s): errors bytes "
-                          f"{row['bytes_moved_error']:+.4f}, switch "
-                          f"{row['switch_time_error']:+.3f}, slot {row['peak_slot_error']:+.4f}, "
-                          f"host {row['peak_host_error']:+.4f} ({row['run_s']:.0f} s)",
-                          flush=True)
+                    report(row)
+                    if name == "exclusive" and slots == 1 and row["peak_host_bytes"]:
+                        row = {"size": size, "capacity": "exclusive, host budget",
+                               "capacity_bytes": capacity, "slots": slots,
+                               **host_budget_row(row, overrides, rates_file, Path(f"{out}-host"))}
+                        results["runs"].append(row)
+                        report(row)
     rows = results["runs"]
     results["worst"] = {key: max(abs(r[key]) for r in rows) for key in (
         "bytes_moved_error", "switch_time_error", "peak_slot_error", "peak_host_error")}
