@@ -85,7 +85,7 @@ def run_one(overrides: list[str], rates_file: Path, out: Path) -> dict[str, Any]
 def host_budget_row(unconstrained: dict[str, Any], overrides: list[str], rates_file: Path,
                     out: Path) -> dict[str, Any]:
     """The run of `unconstrained` again with the host's backup budget (`run.host_memory`)
-    three quarters of what its backups held: its peak against that capacity, and whether its rewards
+    3/4 of what its backups held: its peak against that capacity, and whether its rewards
     are the unconstrained run's."""
     capacity = max(1, unconstrained["peak_host_bytes"] * 3 // 4)
     row = run_one([*overrides, f"run.host_memory={capacity}"], rates_file, out)
