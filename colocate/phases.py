@@ -28,14 +28,11 @@ puts that call's tenant to sleep: there, with tasks in the background, use `asyn
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-from collections.abc import Coroutine, Sequence
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 from colocate.resources.manager import ResourceManager, current
-
-T = TypeVar("T")
+from colocate.sync_bridge import run_sync
 
 
 @runtime_checkable
@@ -74,16 +71,6 @@ def _wakes(targets: Sequence[str | HasTenants], stages: list[str] | None) -> lis
             raise TypeError(f"phase() takes tenant names or objects with tenant_names(), "
                             f"got {target!r}")
     return wakes
-
-
-def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine to its end from sync code, also where a loop already runs (Jupyter)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 class phase:  # noqa: N801 - used like a function, as contextlib's helpers are

@@ -120,6 +120,7 @@ COLOCATE_LAYERS = (
     ("colocate.telemetry",),
 )
 COLOCATE_BASE = ("colocate.calls", "colocate.checks", "colocate.monarch_compat",
+                 "colocate.sync_bridge",
                  "colocate.abortable", "colocate.loading", "colocate.watching")
 
 

@@ -23,8 +23,6 @@ are kept.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +33,7 @@ from colocate.arbiter.core import SlotArbiter
 from colocate.arbiter.errors import ArbiterError
 from colocate.arbiter.policy import Policy
 from colocate.arbiter.tenant import TenantInfo
+from colocate.sync_bridge import run_sync
 
 # releases are never measured in a forecast: nothing is held to measure
 UNMEASURED = 1 << 62
@@ -250,13 +249,8 @@ def forecast_slot(tenants: Sequence[TenantSpec], step: Sequence[Turn],
     """The switches of `step`'s turns on a slot of `capacity` bytes holding `tenants`
     (registered in that order), under `policy`, after the `start` turns (see module).
     Callable from inside a running event loop too (it runs on a thread of its own then)."""
-    forecast = _forecast(list(tenants), list(step), capacity, policy, list(start), steps)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(forecast)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, forecast).result()
+    return run_sync(_forecast(list(tenants), list(step), capacity, policy, list(start),
+                              steps))
 
 
 async def _forecast(tenants: list[TenantSpec], step: list[Turn], capacity: int | None,
