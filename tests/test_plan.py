@@ -111,6 +111,19 @@ def test_a_plan_that_does_not_fit_names_why():
     assert [s.way for s in roomy.step] == ["none", "none", "in_place"]
 
 
+def test_slots_apart_plan_each_side_of_the_sync_on_its_own_slot():
+    """Not colocated (vLLM copies on slots of their own): a slot holds the trainer or the
+    generator, and each side of the sync only wakes there; nothing is handed off."""
+    trainer = TenantSpec("trainer", {"weights": (100, True), "optimizer": (200, True)})
+    generator = TenantSpec("generator", {"weights": (100, False)}, working_bytes=50)
+    step = [Wake("generator"), Wake("trainer"), Sync("trainer", "generator")]
+    start = [Sync("trainer", "generator")]
+    plan = plan_run([[trainer], [generator]], step, 400, RATES, start=start)
+    assert plan.fits and all(f.moved_per_step() == 0 for f in plan.slots)
+    assert [s.way for f in plan.slots for s in f.step] == ["none"] * 6
+    assert plan.slots[1].step[2].turn == "sync trainer -> generator"
+
+
 async def test_a_short_run_checks_its_plan(tmp_path, rates_file):
     from examples.rl_loop.loop import Loop
 

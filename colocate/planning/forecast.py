@@ -212,15 +212,10 @@ class _Simulation:
     async def turn(self, turn: Turn) -> Switch:
         slot, arbiter = self.slot, self.arbiter
         measures = arbiter.policy.measures
-        if isinstance(turn, Wake):
-            name = turn.tenant
-            whole = set(slot.awake.get(name, ())) >= set(slot.infos[name].stages)
-            holds = not measures or not slot.infos[name].working_bytes \
-                or slot.holder == name or room.roomy(slot, arbiter.config, arbiter.policy)
-            if whole and holds:  # ResourceManager.wake: nothing to do
-                return self._switch(turn.label(), "none", 0, None)
-            await arbiter.wake(name)
-            return self._switch(turn.label(), "arbiter", 0, name)
+        names = [turn.tenant] if isinstance(turn, Wake) else [turn.source, turn.target]
+        here = [name for name in names if name in slot.infos]
+        if isinstance(turn, Wake) or len(here) < len(names):  # a sync between slots apart:
+            return await self._wake(turn.label(), here)  # the side here awake for the copy
         source, target = turn.source, turn.target
         if measures and room.roomy(slot, arbiter.config, arbiter.policy) \
                 and set(slot.awake.get(target, ())) >= set(slot.infos[target].stages) \
@@ -229,6 +224,20 @@ class _Simulation:
             return self._switch(turn.label(), "in_place", copied, None)
         copied = await arbiter.handoff(source, target, [0], turn.keep, turn.first)
         return self._switch(turn.label(), "arbiter", copied, target)
+
+    async def _wake(self, label: str, names: list[str]) -> Switch:
+        """Wake `names[0]` (none: a tenant on other slots, nothing to do here)."""
+        slot, arbiter = self.slot, self.arbiter
+        if not names:
+            return self._switch(label, "none", 0, None)
+        name = names[0]
+        whole = set(slot.awake.get(name, ())) >= set(slot.infos[name].stages)
+        holds = not arbiter.policy.measures or not slot.infos[name].working_bytes \
+            or slot.holder == name or room.roomy(slot, arbiter.config, arbiter.policy)
+        if whole and holds:  # ResourceManager.wake: nothing to do
+            return self._switch(label, "none", 0, None)
+        await arbiter.wake(name)
+        return self._switch(label, "arbiter", 0, name)
 
     def _switch(self, label: str, way: str, copied: int, holder: str | None) -> Switch:
         slept = [m for m in self.log if m.nbytes >= 0]

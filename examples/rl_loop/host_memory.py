@@ -27,18 +27,23 @@ def host_fields(run: RunConfig) -> dict[str, Any]:
 
 
 async def host_readings(rm: ResourceManager) -> dict[str, int]:
-    """What the hosts' backups held at most so far, and the smallest host's capacity."""
+    """What the hosts' backups held at most so far (a step's row: the same for the same
+    seed, so the capacity, measured at start when auto, is not in it)."""
     hosts = (await rm.host_memory()).values()
     return {"host_backup_peak_bytes": max(h["peak_backup_bytes"] for h in hosts),
-            "host_disk_backup_peak_bytes": max(h["peak_disk_backup_bytes"] for h in hosts),
-            "host_capacity_bytes": min(h["host_capacity_bytes"] for h in hosts)}
+            "host_disk_backup_peak_bytes": max(h["peak_disk_backup_bytes"] for h in hosts)}
 
 
-def host_summary(steps: list[dict[str, Any]]) -> dict[str, int]:
-    """The run's figures (see module) from its steps' rows."""
+async def host_capacity(rm: ResourceManager) -> int:
+    """The smallest host's capacity for backups."""
+    return min(h["host_capacity_bytes"] for h in (await rm.host_memory()).values())
+
+
+def host_summary(steps: list[dict[str, Any]], capacity: int | None) -> dict[str, int | None]:
+    """The run's figures (see module) from its steps' rows and the hosts' capacity."""
     rows = [row for row in steps if "host_backup_peak_bytes" in row]
     if not rows:
         return {}
     return {"host/peak_backup_bytes": max(r["host_backup_peak_bytes"] for r in rows),
             "host/peak_disk_backup_bytes": max(r["host_disk_backup_peak_bytes"] for r in rows),
-            "host_capacity_bytes": min(r["host_capacity_bytes"] for r in rows)}
+            "host_capacity_bytes": capacity}

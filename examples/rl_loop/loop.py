@@ -39,7 +39,7 @@ from examples.rl_loop.config import RLConfig, as_dict
 from examples.rl_loop.envs import Environments
 from examples.rl_loop.episodes import AgentRollouts
 from examples.rl_loop.hooks import Hooks
-from examples.rl_loop.host_memory import host_readings, host_summary
+from examples.rl_loop.host_memory import host_capacity, host_readings, host_summary
 from examples.rl_loop.memory import ProcPeaks, devices_of, resident_per_proc
 from examples.rl_loop.partial import PartialRollouts
 from examples.rl_loop.partial_episodes import PartialAgentRollouts
@@ -97,6 +97,7 @@ class Loop:
                            lambda: self.runtime.trainer)
         self.bar: tqdm | None = None
         self.peaks = ProcPeaks()
+        self.host_capacity: int | None = None  # the hosts' for backups, read at start
         self.postfix: dict[str, str] = {}  # the progress bar's reward, eval and phase
         self.eval_metrics: dict[str, Any] = {}  # the last evaluation's, per reward function
         self.greedy = SamplingParams(max_new_tokens=self.source.max_new_tokens, temperature=0,
@@ -142,6 +143,7 @@ class Loop:
     async def start(self, checkpoint: Path | None = None) -> None:
         """Start the runtime and the services (the trainer loads `checkpoint` when given)."""
         await self.runtime.start(checkpoint)
+        self.host_capacity = await host_capacity(self.runtime.rm)
         await self.hooks.started()
 
     async def load(self, checkpoint: Path | None) -> None:
@@ -338,7 +340,7 @@ class Loop:
                             restarts=len(self.record.restarts), task=self.source.summary,
                             peaks=None if rt.reference is None else self.peaks,
                             budget={**budget_summary(self.cfg, rt.arbiter, self.model_dir),
-                                    **host_summary(self.record.steps)})
+                                    **host_summary(self.record.steps, self.host_capacity)})
         summary["plan"] = plan_check(plan, self.record.steps[1:], summary,
                                      rt.reference is not None)
         for off in summary["plan"]["off"]:
