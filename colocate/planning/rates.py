@@ -79,7 +79,7 @@ class Rates:
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes calibrating at once
         tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2))
         tmp.replace(path)
 
