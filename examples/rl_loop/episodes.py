@@ -70,7 +70,8 @@ class AgentRollouts(Rollouts):
 
     async def episodes(self, rows: list[Row], params: SamplingParams, copies: int
                        ) -> Rollout:
-        """`copies` episodes per row, run together turn by turn to their ends."""
+        """`copies` episodes per row, run turn by turn to their ends (in cohorts: see
+        module)."""
         self.calls, self.prefix = self.calls + 1, PrefixCounts()
         episodes = [Episode(row, f"e{self.calls}-{i}")
                     for i, row in enumerate(r for r in rows for _ in range(copies))]
@@ -82,7 +83,7 @@ class AgentRollouts(Rollouts):
         client = self.tools()
         if client is not None:
             client.take_stats()  # this call's counts from here
-        size = -(-len(episodes) // self.cfg.cohorts)
+        size = max(1, -(-len(episodes) // self.cfg.cohorts))  # each cohort's episodes
         await asyncio.gather(*(self._cohort(episodes[first:first + size], params, first)
                                for first in range(0, len(episodes), size)))
         for episode in episodes:
