@@ -5,7 +5,10 @@ A proc records each such file (`record`) before it makes it, in a small file nam
 its pid; when the runtime stops or replaces procs it knows their pids, and
 `remove_files_of(pids)` removes what each of them recorded, once it is gone. Only
 recorded files are removed, and only those of a proc that no longer runs, so another
-process's files (a live rank's, another runtime's) are never touched.
+process's files (a live rank's, another runtime's) are never touched. A proc still running
+then (one on a host just lost, that its node's end has not reached yet) is remembered, and
+every later call removes its files once it has gone: the runtime's last stop sweeps what
+its lost procs left.
 
 What records: vLLM's CPU communicator (`colocate.engines.vllm_worker`), whose
 per-rank files are removed only by its C++ destructor at a normal exit, so a killed
@@ -25,6 +28,7 @@ from pathlib import Path
 from colocate.telemetry import process_runs
 
 _started = False  # whether this process wrote its record yet (the first write truncates)
+_pending: set[int] = set()  # pids whose files were left because they still ran
 
 
 def _records() -> Path:
@@ -53,11 +57,14 @@ def recorded(pid: int) -> list[Path]:
 
 def remove_files_of(pids: Iterable[int]) -> list[Path]:
     """Remove the files each of `pids` recorded, and its record, for those that no longer
-    run (a running one's files are in use: left); returns the files removed."""
+    run; a running one's files are in use: left, and removed by a later call once it has
+    gone. Returns the files removed."""
     removed = []
-    for pid in pids:
+    for pid in dict.fromkeys([*pids, *sorted(_pending)]):
         if process_runs(pid):
+            _pending.add(pid)
             continue
+        _pending.discard(pid)
         for path in recorded(pid):
             try:
                 path.unlink()
