@@ -282,7 +282,6 @@ def test_a_bad_environment_is_refused_in_one_line_before_the_run(spec, tmp_path)
     task = ["data.train_files=t.jsonl", "data.eval_files=e.jsonl", "reward.funcs=[m:f]",
             "grpo.max_completion_length=8"]
     for more, match in [([], "env.cls needs data.train_files"),
-                        ([*task, "rollout.mode=partial"], "env.cls with rollout.mode=partial"),
                         ([*task, "env.timeout_s=0"], "env.timeout_s=0.0: must be a number > 0"),
                         (["env.cls=nocolon"], "env.cls: 'nocolon': write module:Class")]:
         with pytest.raises(ValueError, match=match):

@@ -142,14 +142,14 @@ async def test_an_episode_spans_rounds_its_call_under_way_survives_a_checkpoint(
     assert [t.tokens for t in finishing.groups[0].samples] == [first.samples[0].tokens] * 2
 
 
-def test_tools_take_partial_rollouts_an_environment_does_not(tmp_path):
-    """An environment's state is its own object, which a checkpoint cannot keep."""
+def test_tools_and_an_environment_take_partial_rollouts(tmp_path):
+    """A partial run with tools, or an environment too, is a run of its own (its
+    checkpoints resume only as such: test_partial_envs)."""
     cfg = load_config(overrides=[*task_overrides(tmp_path), *PARTIAL])
     assert cfg.rollout.partial and cfg.tools.used
-    assert identity(as_dict(cfg))["rollout"]["mode"] == "partial"  # a run of its own
-    with pytest.raises(ValueError, match="env.cls with rollout.mode=partial: an "
-                                         "environment's state"):
-        load_config(overrides=[*task_overrides(tmp_path), *PARTIAL, "env.cls=m:C"])
+    assert identity(as_dict(cfg))["rollout"]["mode"] == "partial"
+    cfg = load_config(overrides=[*task_overrides(tmp_path), *PARTIAL, "env.cls=m:C"])
+    assert identity(as_dict(cfg))["env.cls"] == "m:C"
 
 
 @pytest.fixture(scope="module")

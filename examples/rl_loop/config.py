@@ -230,10 +230,6 @@ class RLConfig:
         if self.env.used and not self.data.used:
             raise ValueError("env.cls needs data.train_files: the rows each episode's "
                              "reset(row) opens from (and reward.funcs to score them)")
-        if self.env.used and self.rollout.partial:
-            raise ValueError("env.cls with rollout.mode=partial: an environment's state is "
-                             "its own object, which a checkpoint of episodes under way cannot "
-                             "keep; use rollout.mode=sync")
         if self.rollout.overlap and self.run.policy == "exclusive" and self.run.colocate:
             raise ValueError("rollout.overlap=true generates beside the training, but "
                              "run.policy=exclusive keeps one tenant awake a slot: use "

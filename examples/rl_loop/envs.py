@@ -14,6 +14,18 @@ of its own, so that a slow environment does not hold the loop's event loop. `res
 `step_env` call them and check what they return, raising `EnvError` naming the class and
 what was wrong.
 
+An episode may outlive a checkpoint (partial rollouts carry it across steps), and then its
+environment must come back with it. A class may say how, as torch modules do:
+
+    state_dict() -> state                  what the instance holds, as JSON (dicts, lists,
+                                           strings, numbers)
+    load_state_dict(state)                 a new instance back to it (no reset first)
+
+Without them the instance is rebuilt by replay: a new one reset on the same row, then
+stepped on the same assistant messages, each step's observations checked against what the
+episode saw (`Environments.restore`); an environment that answers otherwise (one with
+randomness or outside state) is an `EnvError` telling it to define the two methods.
+
 `Environments` is the run's side: the class loaded once (a bad spec, or a constructor that
 fails, refused in one line before any proc starts), then an instance per episode
 (`Environments.open`), each call bounded by `env.timeout_s`. A fault is handled by where it
@@ -50,7 +62,7 @@ import math
 import threading
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from colocate.loading import load_function
@@ -184,14 +196,25 @@ async def _on_thread(fn: Callable[..., Any], *args: Any) -> Any:
 
 @dataclass
 class EpisodeEnv:
-    """One episode's environment instance, and what its steps came to."""
+    """One episode's environment instance, and what its steps came to: each step's
+    assistant message and observations (None: it failed), which a replay repeats."""
 
-    env: Environment
+    env: Environment | None  # None: an ended episode's, back from a checkpoint (figures only)
     row: str  # the row it was reset on, shown short: the log names it
     timeout_s: float
     steps: int = 0
     done: bool = False  # a step said the episode ends
     error: str | None = None  # the step that ended it: "raised" or "timeout"
+    history: list[tuple[Message, list[Message] | None]] = field(default_factory=list)
+
+    def saved(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it: its figures, its steps, and the instance's own
+        `state_dict()` where its class has one (`Environments.restore` reads it)."""
+        found: dict[str, Any] = {"steps": self.steps, "done": self.done, "error": self.error,
+                                 "history": [list(h) for h in self.history]}
+        if self.env is not None and callable(getattr(self.env, "state_dict", None)):
+            found["state"] = self.env.state_dict()
+        return found
 
     async def step(self, message: Message) -> list[Message] | None:
         """`step(message)` within the bound: its observations (`done` recorded), or None
@@ -202,6 +225,7 @@ class EpisodeEnv:
         try:
             messages, self.done = await asyncio.wait_for(step_env(self.env, message),
                                                          self.timeout_s)
+            self.history.append((message, messages))
             return messages
         except EnvError:
             raise
@@ -210,6 +234,7 @@ class EpisodeEnv:
         except Exception as err:
             self.error, what = "raised", f"raised {type(err).__name__}: {_first_line(err)}"
         logger.warning("env %s.step on row %s %s: its episode ends here", name, self.row, what)
+        self.history.append((message, None))
         return None
 
 
@@ -230,7 +255,7 @@ class Environments:
         class and the row when the constructor or `reset` raises, runs past the bound or
         returns something else than messages, or when the opening leaves the model
         (`max_positions`) no room to write."""
-        columns = {self.prompt_key: row.prompt, **row.columns}
+        columns = self._columns(row)
         shown, name = _show(columns), self.cls.__name__
 
         async def opened() -> tuple[Environment, list[Message]]:
@@ -253,6 +278,37 @@ class Environments:
                            f"{len(tokens)} tokens, the model has {max_positions} positions")
         return EpisodeEnv(env, shown, self.timeout_s), replace(row, prompt=prompt, text=text,
                                                                tokens=tokens)
+
+    async def restore(self, row: Row, saved: dict[str, Any], ended: bool) -> EpisodeEnv:
+        """The environment `EpisodeEnv.saved` kept of an episode opened on data row `row`:
+        its figures, and (unless the episode `ended`: it steps no more) an instance back at
+        the same point, by its class's `load_state_dict`, else by replay (see module).
+        `EnvError` naming the class, the row and the step when a replayed step answers
+        otherwise than the episode saw."""
+        columns = self._columns(row)
+        back = EpisodeEnv(None, _show(columns), self.timeout_s, saved["steps"], saved["done"],
+                          saved["error"], [(m, seen) for m, seen in saved["history"]])
+        if ended:
+            return back
+        name = self.cls.__name__
+        back.env = await _on_thread(self.cls)
+        if "state" in saved and callable(getattr(back.env, "load_state_dict", None)):
+            await _call(back.env.load_state_dict, saved["state"])
+            return back
+        await asyncio.wait_for(reset_env(back.env, columns), self.timeout_s)
+        for index, (message, seen) in enumerate(back.history):
+            messages, _ = await asyncio.wait_for(step_env(back.env, message), self.timeout_s)
+            if messages != seen:
+                raise EnvError(
+                    f"env.cls: {name} on row {back.row}: replayed after a checkpoint, its step "
+                    f"{index + 1} answered {_show(messages)}, not {_show(seen)} as before: an "
+                    "environment that does not answer the same messages the same way must "
+                    "define state_dict() and load_state_dict(state)")
+        return back
+
+    def _columns(self, row: Row) -> dict[str, Any]:
+        """What `reset` gets: a data row's columns, its prompt under `data.prompt_key`."""
+        return {self.prompt_key: row.prompt, **row.columns}
 
 
 def contents(messages: list[Message]) -> str:

@@ -177,7 +177,7 @@ class AgentRollouts(Rollouts):
                 episode.ended = "overflow" if kept == room else "length"
         unread = turn + 1 == self.cfg.max_turns  # the last turn's calls would go unread
         await asyncio.gather(*(self._call_tools(*c) for c in calling if not unread),
-                             *(self._step_env(e) for e in stepping))
+                             *(self.step_env(e) for e in stepping))
 
     async def _generate(self, asked: list[tuple[Episode, int]], params: SamplingParams,
                         turn: int, first: int) -> list[Completion]:
@@ -222,7 +222,7 @@ class AgentRollouts(Rollouts):
         episode.messages += observations(parsed, [r.content for r in results])
         episode.add(self.transcript.observation(episode, parsed, text, results))
 
-    async def _step_env(self, episode: Episode) -> None:
+    async def step_env(self, episode: Episode) -> None:
         """The environment's step on the turn's assistant message: its observations
         appended (room permitting), its `done` or its failure the episode's end."""
         shown = await episode.env.step(dict(episode.messages[-1]))

@@ -109,7 +109,7 @@ class Loop:
         cfg = self.cfg
         parts = (self.source, lambda tokens, params: self.runtime.generate_ids(tokens, params),
                  self.sampling, cfg.grpo, cfg.generator.max_batch)
-        if cfg.rollout.partial and not cfg.tools.used:
+        if cfg.rollout.partial and not (cfg.tools.used or cfg.env.used):
             return PartialRollouts(*parts, cfg.rollout, self.model_dir)
         score = functools.partial(self._score, copies=cfg.grpo.group_size)
         if cfg.tools.used or cfg.env.used:

@@ -1,4 +1,5 @@
-"""Multi-turn episodes in partial rollouts (`rollout.mode=partial` with `tools.funcs`): an
+"""Multi-turn episodes in partial rollouts (`rollout.mode=partial` with `tools.funcs` or
+`env.cls`): an
 episode (`transcripts.Episode`) is an item of the partial pool, as a carried completion is, so a
 trajectory may span steps, switches and checkpoints.
 
@@ -22,9 +23,13 @@ the run either way; a step's tool figures count the results as they are read, no
 calls end. So the same seed gives the same run, and a resumed run (or one restarted after
 a killed proc) is the run never stopped.
 
-Environments (`env.cls`) stay refused with partial rollouts: an instance's state is the
-user's own object, which a checkpoint cannot keep (the protocol has no way to save or
-restore it, and replaying its steps would call it again).
+With an environment (`env.cls`), an episode's instance is made and reset at the first
+round that advances it (its opening becomes the episode's prompt), and a turn that ends at
+its stop token without a tool call is stepped within the round, as `episodes.AgentRollouts`
+steps one (an environment's step never spans a switch). A checkpoint keeps each episode's
+environment as `envs.EpisodeEnv.saved` has it; after a resume the instance comes back at
+the first round by its class's `load_state_dict`, else by replaying its steps
+(`envs.Environments.restore`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch
 
 from colocate.engines.sampling import Completion, PrefixCounts, SamplingParams
 from examples.rl_loop.data import Row
+from examples.rl_loop.envs import env_metrics
 from examples.rl_loop.episode_figures import episode_metrics, prefix_metrics
 from examples.rl_loop.episodes import TURN_SEED, AgentRollouts, GenerateTurns
 from examples.rl_loop.grpo import GRPOConfig
@@ -59,6 +65,7 @@ class Trajectory(Episode):
     versions: list[int] = field(default_factory=list)  # each token's policy version
     turn_start: int | None = None  # where its turn in progress began (None: between turns)
     pending: str | None = None  # the text of the turn whose tool calls it waits for
+    env_saved: dict[str, Any] | None = None  # its environment as a checkpoint kept it
 
     @property
     def finished(self) -> bool:
@@ -99,10 +106,12 @@ class EpisodePool(Pool):
         `rollout.max_tokens_per_step` tokens of its own at most (`finish`: to its end).
         Returns the tokens the model wrote, the rows' decode slots and the generate calls
         made, or None when no episode is left."""
-        going = [t for g in (self.groups if groups is None else groups) for t in g.samples
-                 if not t.finished]
+        groups = self.groups if groups is None else groups
+        going = [t for g in groups for t in g.samples if not t.finished]
         if not going:
             return None
+        if self.agent.envs is not None:
+            await self._environments(groups)
         budget = math.inf if finish else self.cfg.max_tokens_per_step
         spent = dict.fromkeys((t.session for t in going), 0)
         figures = {"tokens": 0, "slots": 0, "calls": 0}
@@ -120,11 +129,40 @@ class EpisodePool(Pool):
             caps = [min(budget - spent[t.session], self.agent.room(t),
                         self.max_new_tokens - len(t.turn())) for t in asked]
             completions = await self._generate(generate, asked, caps, params, sub, figures)
+            stepping = []
             for t, cap, new in zip(asked, caps, completions, strict=True):
                 kept = self._take(t, cap, new, params)
                 spent[t.session] += kept
                 figures["tokens"] += kept
+                if t.ended == "answer" and t.env is not None:  # its environment answers
+                    t.ended = ""
+                    stepping.append(t)
+            await asyncio.gather(*(self._step_env(t) for t in stepping))
         return figures
+
+    async def _environments(self, groups: list[Group]) -> None:
+        """Each episode of `groups` with its environment: opened on its group's data row
+        (its prompt, the opening), or back from a checkpoint's (see module)."""
+        envs, transcript = self.agent.envs, self.agent.transcript
+
+        async def ready(group: Group, t: Trajectory) -> None:
+            if t.env_saved is None:
+                t.env, t.row = await envs.open(group.row, transcript.opening,
+                                               self.agent.max_positions)
+            else:
+                t.env = await envs.restore(group.row, t.env_saved, t.finished)
+                t.env_saved = None
+
+        await asyncio.gather(*(ready(g, t) for g in groups for t in g.samples
+                               if t.env is None))
+
+    async def _step_env(self, t: Trajectory) -> None:
+        """The environment's step on `t`'s answer, as the sync mode's; the observation's
+        tokens stamped with the version of the turn they follow."""
+        await self.agent.step_env(t)
+        if t.ended == "" and t.turns == self.cfg.max_turns:
+            t.ended = "max_turns"
+        t.stamp(self.version)
 
     async def _generate(self, generate: GenerateTurns, asked: list[Trajectory],
                         caps: list[int], params: SamplingParams, sub: int,
@@ -229,6 +267,11 @@ class EpisodePool(Pool):
             future.cancel()
         self.under_way = {}
 
+    def sample_state(self, sample: Trajectory) -> dict[str, Any]:
+        """An episode's state, its environment's as `EpisodeEnv.saved` has it."""
+        env = sample.env.saved() if sample.env is not None else sample.env_saved
+        return {**asdict(replace(sample, env=None)), "env_saved": env}
+
     def state_dict(self) -> dict[str, Any]:
         """The groups and the figures not taken yet (an overlapped round's)."""
         return {**super().state_dict(), "prefix": asdict(self.prefix),
@@ -279,7 +322,10 @@ class PartialAgentRollouts(PartialRollouts):
                    "partial/episodes_carried": sum(bool(t.versions) and t.versions[0]
                                                    < self.pool.version for t in episodes),
                    "partial/calls_carried": sum(t.pending is not None for t in going)}
-        return Rollout([g.row for g in groups], [t.row.tokens for t in episodes],
+        if self.agent.envs is not None:
+            metrics.update(env_metrics([t.env for t in episodes]))
+        # a group's prompt: its first episode's (an environment's opening, or the row's)
+        return Rollout([g.samples[0].row for g in groups], [t.row.tokens for t in episodes],
                        [t.completion() for t in episodes], metrics,
                        trained=[t.trained for t in episodes],
                        conversations=[t.messages if t.row.chat else None for t in episodes],

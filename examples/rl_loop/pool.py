@@ -145,7 +145,12 @@ class Pool:
     def state_dict(self) -> dict[str, Any]:
         return {"version": self.version,
                 "groups": [{"row": asdict(g.row), "started": g.started,
-                            "samples": [asdict(s) for s in g.samples]} for g in self.groups]}
+                            "samples": [self.sample_state(s) for s in g.samples]}
+                           for g in self.groups]}
+
+    def sample_state(self, sample: Sample) -> dict[str, Any]:
+        """A carried sample's state, as a checkpoint keeps it (`sample_from` reads it)."""
+        return asdict(sample)
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Back to a checkpoint's pool (None: the start's, empty)."""
