@@ -111,6 +111,24 @@ def test_a_plan_that_does_not_fit_names_why():
     assert [s.way for s in roomy.step] == ["none", "none", "in_place"]
 
 
+def test_a_plan_for_a_bigger_machine_is_not_bound_by_this_ones_memory():
+    """The slot's moves for stages far beyond this machine's memory (a node's, planned on a
+    laptop) are the same as for small ones: every kept stage goes to host memory, and the
+    host's capacity is the plan's to judge (`plan_run`'s host_capacity_bytes)."""
+    tib = 1 << 40
+    trainer = TenantSpec("trainer", {"weights": (tib, True), "optimizer": (2 * tib, True),
+                                     "grads": (tib, False)})
+    generator = TenantSpec("generator", {"weights": (tib, False)}, working_bytes=tib // 2)
+    step = [Wake("generator"), Wake("trainer"), Sync("trainer", "generator")]
+    start = [Sync("trainer", "generator")]
+    big = forecast_slot([trainer, generator], step, 4 * tib, start=start)
+    assert big.fits, big.why
+    assert big.moved_per_step() == 2 * tib and big.peak_bytes() == 4 * tib  # as at 400 B
+    planned = plan_run([[trainer, generator]], step, 4 * tib, RATES, start=start,
+                       host_capacity_bytes=2 * tib)
+    assert planned.fits and planned.figures()["host_backup_bytes"] == tib
+
+
 def test_slots_apart_plan_each_side_of_the_sync_on_its_own_slot():
     """Not colocated (vLLM copies on slots of their own): a slot holds the trainer or the
     generator, and each side of the sync only wakes there; nothing is handed off."""

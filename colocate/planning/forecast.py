@@ -27,6 +27,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from colocate import memory
 from colocate.arbiter import room
 from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.core import SlotArbiter
@@ -160,11 +161,13 @@ class _Counted:
         self.name, self.spec, self.log = spec.name, spec, log
         self.awake = list(spec.stages)
 
-    async def sleep(self, stages: Sequence[str] | None = None) -> int:
+    async def sleep(self, stages: Sequence[str] | None = None,
+                    places: Mapping[str, str] | None = None) -> int:
         going = [s for s in reversed(self.awake) if stages is None or s in stages]
         for stage in going:
             nbytes, kept = self.spec.stages[stage]
-            self.log.append(Moved(self.name, stage, nbytes, kept))
+            place = (places or {}).get(stage, memory.HOST)
+            self.log.append(Moved(self.name, stage, nbytes, kept and place != memory.DROP))
         self.awake = [s for s in self.awake if s not in going]
         return sum(self.spec.stages[s][0] for s in going)
 
@@ -194,8 +197,12 @@ class _Simulation:
 
     def __init__(self, tenants: Sequence[TenantSpec], capacity: int | None,
                  policy: str | Policy) -> None:
+        # the host's memory is the plan's to judge (`Plan.why`), not this machine's: every
+        # kept stage goes to host memory here, and the plan holds their peak against the
+        # capacity it is given
         self.arbiter = SlotArbiter([0], ArbiterConfig(
-            policy=policy, slot_capacity_bytes=capacity, min_verified_bytes=UNMEASURED))
+            policy=policy, slot_capacity_bytes=capacity, min_verified_bytes=UNMEASURED,
+            host_capacity_bytes=UNMEASURED))
         self.log: list[Moved] = []
         self.tenants = {t.name: _Counted(t, self.log) for t in tenants}
         self.backup = 0  # host copies held now
