@@ -10,11 +10,13 @@ again with a host budget for its backups (`run.host_memory`) of 3/4 of what they
 `host_capacity_bytes`, `peak_host_bytes` (the most its backups held in host memory; the
 rest went to disk) and whether its rewards equal the unconstrained run's.
 
-Capacities per size, from the tenants' estimated sizes (as bench/budget.py): "ample"
-(twice what all hold), "tight" (`run.slot_memory=auto`'s), "exclusive" (the largest
-tenant alone, with 1% to spare). First the machine's switch costs are calibrated (python -m
-examples.rl_loop --calibrate, into a rates file of the bench's own) unless `--rates FILE`
-names one.
+Capacities per size, from the tenants' estimated sizes (`examples.rl_loop.calibrate.
+capacities`): "ample" (twice what all hold), "tight" (`run.slot_memory=auto`'s),
+"exclusive" (the largest tenant alone, with 1% to spare). The calibration's runs are of
+other sizes than 256x4 and 512x4 (its fit's points: the default size and 192x4), so those
+rows are predictions beyond what was measured. First the machine's switch costs are
+calibrated (python -m examples.rl_loop --calibrate, into a rates file of the bench's own)
+unless `--rates FILE` names one.
 
     .venv/bin/python -m bench.plan [--steps 5] [--rates FILE] [--out FILE]
 """
@@ -33,8 +35,7 @@ from typing import Any
 from bench.common import announce
 from colocate.planning import check, load_rates
 from examples.rl_loop import task
-from examples.rl_loop.budget import auto_capacity, tenant_sizes
-from examples.rl_loop.calibrate import calibrate_switches
+from examples.rl_loop.calibrate import calibrate_switches, capacities
 from examples.rl_loop.config import load_config
 from examples.rl_loop.plan import make_plan, model_config, predicted
 
@@ -44,15 +45,6 @@ SIZES = {"64x2": [],
          "512x4": ["model.hidden_size=512", "model.layers=4", "model.heads=8",
                    "model.kv_heads=2", "model.intermediate_size=2048"]}
 SLOTS = (1, 2)
-
-
-def capacities(overrides: list[str]) -> dict[str, int]:
-    """The three capacities for a model size (see module)."""
-    cfg = load_config(overrides=overrides)
-    sizes = tenant_sizes(cfg, model_config(cfg, task.ALPHABET), rank=None)
-    totals = [size.total for size in sizes.values()]
-    return {"ample": 2 * sum(totals), "tight": auto_capacity(sizes),
-            "exclusive": int(1.01 * max(totals))}
 
 
 def run_one(overrides: list[str], rates_file: Path, out: Path) -> dict[str, Any]:

@@ -87,7 +87,8 @@ class Moved:
     tenant: str
     stage: str
     nbytes: int
-    copied: bool  # to (or from) host memory; else dropped (or refilled empty)
+    copied: bool  # to (or from) its backup; else dropped (or refilled empty)
+    place: str = memory.HOST  # a copied stage's backup: host memory, or disk
 
 
 @dataclass
@@ -115,6 +116,15 @@ class Switch:
     @property
     def copied_in(self) -> int:
         return sum(m.nbytes for m in self.woken if m.copied)
+
+    @property
+    def to_disk(self) -> int:
+        """Of `copied_out`, the bytes that went to disk (the host's budget was short)."""
+        return sum(m.nbytes for m in self.slept if m.copied and m.place == memory.DISK)
+
+    @property
+    def from_disk(self) -> int:
+        return sum(m.nbytes for m in self.woken if m.copied and m.place == memory.DISK)
 
     @property
     def discarded(self) -> int:
@@ -160,6 +170,7 @@ class _Counted:
     def __init__(self, spec: TenantSpec, log: list[Moved]) -> None:
         self.name, self.spec, self.log = spec.name, spec, log
         self.awake = list(spec.stages)
+        self.places: dict[str, str] = {}  # a sleeping stage's backup
 
     async def sleep(self, stages: Sequence[str] | None = None,
                     places: Mapping[str, str] | None = None) -> int:
@@ -167,7 +178,9 @@ class _Counted:
         for stage in going:
             nbytes, kept = self.spec.stages[stage]
             place = (places or {}).get(stage, memory.HOST)
-            self.log.append(Moved(self.name, stage, nbytes, kept and place != memory.DROP))
+            self.places[stage] = place
+            self.log.append(Moved(self.name, stage, nbytes, kept and place != memory.DROP,
+                                  place))
         self.awake = [s for s in self.awake if s not in going]
         return sum(self.spec.stages[s][0] for s in going)
 
@@ -175,7 +188,9 @@ class _Counted:
         for stage in stages:
             if stage not in self.awake:
                 nbytes, kept = self.spec.stages[stage]
-                self.log.append(Moved(self.name, stage, -nbytes, kept))  # negative: woken
+                place = self.places.pop(stage, memory.HOST)
+                self.log.append(Moved(self.name, stage, -nbytes,  # negative: woken
+                                      kept and place != memory.DROP, place))
                 self.awake.append(stage)
         self.awake = [s for s in self.spec.stages if s in self.awake]
 
@@ -196,13 +211,15 @@ class _Simulation:
     """One slot's arbiter and its counted tenants, taking turns."""
 
     def __init__(self, tenants: Sequence[TenantSpec], capacity: int | None,
-                 policy: str | Policy) -> None:
-        # the host's memory is the plan's to judge (`Plan.why`), not this machine's: every
-        # kept stage goes to host memory here, and the plan holds their peak against the
-        # capacity it is given
+                 policy: str | Policy, host_capacity: int | None = None,
+                 backup_dir: str | None = None) -> None:
+        # the host's budget for backups is the one given, never this machine's memory (a
+        # plan for a bigger node is made on a laptop): without one, every kept stage goes
+        # to host memory, and the plan holds their peak against the host's capacity
         self.arbiter = SlotArbiter([0], ArbiterConfig(
             policy=policy, slot_capacity_bytes=capacity, min_verified_bytes=UNMEASURED,
-            host_capacity_bytes=UNMEASURED))
+            host_capacity_bytes=UNMEASURED if host_capacity is None else host_capacity,
+            backup_dir=backup_dir))
         self.log: list[Moved] = []
         self.tenants = {t.name: _Counted(t, self.log) for t in tenants}
         self.backup = 0  # host copies held now
@@ -248,12 +265,14 @@ class _Simulation:
 
     def _switch(self, label: str, way: str, copied: int, holder: str | None) -> Switch:
         slept = [m for m in self.log if m.nbytes >= 0]
-        woken = [Moved(m.tenant, m.stage, -m.nbytes, m.copied) for m in self.log
+        woken = [Moved(m.tenant, m.stage, -m.nbytes, m.copied, m.place) for m in self.log
                  if m.nbytes < 0]
         self.log.clear()
         found = Switch(label, way, slept, woken, copied)
-        found.backup_bytes = self.backup + found.copied_out  # its sleeps copy out first
-        self.backup += found.copied_out - found.copied_in
+        # host copies held: its sleeps copy out first
+        out, back = found.copied_out - found.to_disk, found.copied_in - found.from_disk
+        found.backup_bytes = self.backup + out
+        self.backup += out - back
         if holder is not None and self.arbiter.policy.measures:  # as `_note_peak` counts
             found.peak_bytes = room.used_bytes(self.slot, holder)
         return found
@@ -261,21 +280,26 @@ class _Simulation:
 
 def forecast_slot(tenants: Sequence[TenantSpec], step: Sequence[Turn],
                   capacity: int | None, policy: str | Policy = "budget",
-                  start: Sequence[Turn] = (), steps: int = 3) -> SlotForecast:
+                  start: Sequence[Turn] = (), steps: int = 3,
+                  host_capacity: int | None = None, backup_dir: str | None = None
+                  ) -> SlotForecast:
     """The switches of `step`'s turns on a slot of `capacity` bytes holding `tenants`
-    (registered in that order), under `policy`, after the `start` turns (see module).
-    Callable from inside a running event loop too (it runs on a thread of its own then)."""
+    (registered in that order), under `policy`, after the `start` turns (see module); with
+    `host_capacity`, the slot's backups get that much host memory, and what does not fit
+    goes to disk (`backup_dir`) as the arbiter's host budget decides. Callable from inside
+    a running event loop too (it runs on a thread of its own then)."""
     return run_sync(_forecast(list(tenants), list(step), capacity, policy, list(start),
-                              steps))
+                              steps, host_capacity, backup_dir))
 
 
 async def _forecast(tenants: list[TenantSpec], step: list[Turn], capacity: int | None,
-                    policy: str | Policy, start: list[Turn], steps: int) -> SlotForecast:
+                    policy: str | Policy, start: list[Turn], steps: int,
+                    host_capacity: int | None, backup_dir: str | None) -> SlotForecast:
     found = SlotForecast(capacity, tenants)
     if capacity is None and policy == "budget":
         found.fits, found.why = False, "the budget policy needs a slot capacity"
         return found
-    sim = _Simulation(tenants, capacity, policy)
+    sim = _Simulation(tenants, capacity, policy, host_capacity, backup_dir)
     try:
         found.start.append(await sim.register())
         found.start += [await sim.turn(t) for t in start]

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from colocate.arbiter.policy import Policy
+from colocate.memory import HOST
 from colocate.planning.forecast import (
+    Moved,
     SlotForecast,
     Switch,
     Sync,
@@ -52,8 +54,10 @@ class Plan:
         way = switch.way
         if way == "arbiter":
             way = "sync" if isinstance(turn, Sync) else "wake"
-        return self.rates.seconds(way, switch.copied_out, switch.copied_in, switch.discarded,
-                                  switch.refilled, switch.in_slot_bytes, self.slots_per_host)
+        return self.rates.seconds(way, switch.copied_out - switch.to_disk,
+                                  switch.copied_in - switch.from_disk, switch.discarded,
+                                  switch.refilled, switch.in_slot_bytes, self.slots_per_host,
+                                  switch.to_disk, switch.from_disk)
 
     def slot_seconds(self, slot: SlotForecast) -> dict[str, float]:
         """The steady step's switch and sync seconds on `slot`."""
@@ -128,28 +132,41 @@ class Plan:
 
 def _switch(switch: Switch, seconds: float) -> dict[str, Any]:
     return {"turn": switch.turn, "way": switch.way, "seconds": seconds,
-            "slept": [f"{m.tenant}/{m.stage} {'copied' if m.copied else 'dropped'} "
-                      f"{m.nbytes}" for m in switch.slept],
-            "woken": [f"{m.tenant}/{m.stage} {'copied' if m.copied else 'refilled'} "
-                      f"{m.nbytes}" for m in switch.woken],
+            "slept": [f"{m.tenant}/{m.stage} {_copy(m, 'dropped')} {m.nbytes}"
+                      for m in switch.slept],
+            "woken": [f"{m.tenant}/{m.stage} {_copy(m, 'refilled')} {m.nbytes}"
+                      for m in switch.woken],
             "copied_out": switch.copied_out, "copied_in": switch.copied_in,
+            "to_disk": switch.to_disk, "from_disk": switch.from_disk,
             "discarded": switch.discarded, "refilled": switch.refilled,
             "in_slot_bytes": switch.in_slot_bytes,
             "peak_bytes": switch.peak_bytes, "backup_bytes": switch.backup_bytes}
+
+
+def _copy(moved: Moved, otherwise: str) -> str:
+    if not moved.copied:
+        return otherwise
+    return "copied" if moved.place == HOST else f"copied ({moved.place})"
 
 
 def plan_run(slots: Sequence[Sequence[TenantSpec]], step: Sequence[Turn],
              capacity: int | None, rates: Rates, policy: str | Policy = "budget",
              start: Sequence[Turn] = (), host_capacity_bytes: int | None = None,
              host_other_bytes: int = 0, pinned: bool = False,
-             slots_per_host: int | None = None) -> Plan:
+             slots_per_host: int | None = None, host_budget: int | None = None,
+             backup_dir: str | None = None) -> Plan:
     """The plan of a run whose slots hold `slots` (each: its tenants, in the order they
     are spawned), each of `capacity` bytes, `slots_per_host` on each host (default: all on
-    one), taking `step`'s turns every step after the `start` turns (see module)."""
-    forecasts = [forecast_slot(tenants, step, capacity, policy, start) for tenants in slots]
+    one), taking `step`'s turns every step after the `start` turns (see module). With
+    `host_budget`, the host memory its arbiter lets the backups take (split evenly between
+    its slots), the backups past it go to disk (`backup_dir`), as the run's do."""
+    per_host = slots_per_host or len(slots)
+    share = None if host_budget is None else host_budget // max(1, per_host)
+    forecasts = [forecast_slot(tenants, step, capacity, policy, start, host_capacity=share,
+                               backup_dir=backup_dir) for tenants in slots]
     name = policy if isinstance(policy, str) else type(policy).__name__
     return Plan(forecasts, list(step), rates, name, host_capacity_bytes, host_other_bytes,
-                pinned, slots_per_host or len(forecasts))
+                pinned, per_host)
 
 
 def relative_error(predicted: float, measured: float) -> float:

@@ -3,15 +3,19 @@ measured by a short calibration and kept in a file.
 
 `calibrate(device)` times, on `device` ("cpu", or "cuda" for the current GPU), what a
 switch does to a stage: the memory layer's own pause and resume of a tag with backup (the
-copy to host memory and back) and without (a drop, and its refill at the wake), and a copy
+copy to host memory and back; on CPU, to a file in the backup directory and back too, where
+a host short of memory for backups puts them) and without (a drop, and its refill at the
+wake), and a copy
 within the slot (a sync's weights copied in place); and the raw copies between host and
 slot memory, pinned and not (on CPU slots, which are host memory, a memcpy). A switch also
-has a fixed cost per way (its messages, the release checks, the view's bookkeeping), which
-the caller measures on its own runtime and adds (`Rates.fixed_s`: "wake" and "sync" through
-the arbiter, "in_place" for a sync's copy alone, "none" for a wake with nothing to do; 0
-until measured; `fixed_per_slot_s`, what each further slot of a host adds, since one
-arbiter a host carries out every slot's switch), and so is the peak memory of the process
-that drives a run (`process_bytes`), part of the host's.
+has a fixed cost per way (its messages, the release checks, the view's bookkeeping), and its
+bytes cost more than a lone copy's, which the caller measures on its own runtime and adds
+(`Rates.fixed_s`: "wake" and "sync" through the arbiter, "in_place" for a sync's copy alone,
+"none" for a wake with nothing to do; 0 until measured; `byte_scale`, the bytes' time over
+the rates' own, 1 until measured; `fixed_per_slot_s` and `byte_scale_per_slot`, what each
+further slot of a host adds, since one arbiter a host carries out every slot's switch and
+the slots share the host's memory), and so is the peak memory of the process that drives a
+run (`process_bytes`), part of the host's.
 
 `load_rates(path)` reads a file written by `save`; `cached_rates(device)` reads this
 machine's (`default_path`) or calibrates and writes it.
@@ -52,29 +56,46 @@ class Rates:
     slot_to_pinned: float | None = None
     pageable_to_slot: float | None = None  # raw copies from unpinned host memory
     slot_to_pageable: float | None = None
+    disk_out: float | None = None  # a pause with backup to disk (CPU tags; None: as host's)
+    disk_in: float | None = None  # its resume, read back from disk
     fixed_s: dict[str, float] = field(default_factory=dict)  # way -> seconds a switch
     # way -> the seconds each further slot of the host adds to a switch (one arbiter a host)
     fixed_per_slot_s: dict[str, float] = field(default_factory=dict)
+    # way -> what a real switch's bytes take over their time at the rates above (1 when not
+    # measured), and what each further slot of the host adds to it (they share its memory)
+    byte_scale: dict[str, float] = field(default_factory=dict)
+    byte_scale_per_slot: dict[str, float] = field(default_factory=dict)
     process_bytes: int = 0  # the driving process's peak memory, as its caller measured it
     host: str = ""  # the machine measured
     measured_at: str = ""
 
     def seconds(self, way: str, copied_out: int = 0, copied_in: int = 0, discarded: int = 0,
-                refilled: int = 0, in_slot: int = 0, slots: int = 1) -> float:
+                refilled: int = 0, in_slot: int = 0, slots: int = 1, to_disk: int = 0,
+                from_disk: int = 0) -> float:
         """A switch's predicted time on a host of `slots` slots switching together: its
-        way's fixed cost and each byte of one slot at its rate."""
+        way's fixed cost, and each byte of one slot at its rate (`copied_out`/`copied_in`:
+        to host memory and back; `to_disk`/`from_disk`: to disk and back) times the way's
+        byte scale."""
+        scale = self.byte_scale.get(way, 1.0) \
+            + (slots - 1) * self.byte_scale_per_slot.get(way, 0.0)
         return (self.fixed_s.get(way, 0.0)
                 + (slots - 1) * self.fixed_per_slot_s.get(way, 0.0)
-                + copied_out / self.backup_out
-                + copied_in / self.backup_in + discarded / self.drop
-                + refilled / self.refill + in_slot / self.in_slot)
+                + scale * (copied_out / self.backup_out
+                           + copied_in / self.backup_in + discarded / self.drop
+                           + refilled / self.refill + in_slot / self.in_slot
+                           + to_disk / (self.disk_out or self.backup_out)
+                           + from_disk / (self.disk_in or self.backup_in)))
 
     def with_fixed(self, fixed_s: dict[str, float], fixed_per_slot_s: dict[str, float],
-                   process_bytes: int) -> Rates:
-        """These rates with the fixed costs (other ways kept) and `process_bytes` measured."""
+                   process_bytes: int, byte_scale: dict[str, float] | None = None,
+                   byte_scale_per_slot: dict[str, float] | None = None) -> Rates:
+        """These rates with the fixed costs and byte scales measured (other ways kept) and
+        `process_bytes`."""
         return dataclasses.replace(
             self, fixed_s={**self.fixed_s, **fixed_s},
             fixed_per_slot_s={**self.fixed_per_slot_s, **fixed_per_slot_s},
+            byte_scale={**self.byte_scale, **(byte_scale or {})},
+            byte_scale_per_slot={**self.byte_scale_per_slot, **(byte_scale_per_slot or {})},
             process_bytes=process_bytes)
 
     def save(self, path: Path) -> None:
@@ -130,12 +151,15 @@ def calibrate(device: str = "cpu", nbytes: int = CALIBRATION_BYTES) -> Rates:
         return nbytes / max(statistics.median(times), 1e-9)
 
     found: dict[str, Any] = {}
-    for backup, out_key, in_key in ((True, "backup_out", "backup_in"),
-                                    (False, "drop", "refill")):
-        tag = f"calibration/{'backup' if backup else 'drop'}-{os.getpid()}"
+    ways = [("backup", True, memory.HOST, "backup_out", "backup_in"),
+            ("drop", False, memory.HOST, "drop", "refill")]
+    if on.type == "cpu":  # backups to disk are CPU tags'
+        ways.append(("disk", True, memory.DISK, "disk_out", "disk_in"))
+    for name, backup, place, out_key, in_key in ways:
+        tag = f"calibration/{name}-{os.getpid()}"
         stage = torch.ones(nbytes, dtype=torch.uint8, device=on)
         memory.adopt(stage, tag, backup=backup)
-        found[out_key] = rate(lambda tag=tag: _then(tag, memory.TagState.ACTIVE))
+        found[out_key] = rate(lambda tag=tag, p=place: _then(tag, memory.TagState.ACTIVE, p))
         found[in_key] = rate(lambda tag=tag: _then(tag, memory.TagState.PAUSED))
         if memory.state(tag) is memory.TagState.PAUSED:
             memory.resume(tag)
@@ -154,12 +178,17 @@ def calibrate(device: str = "cpu", nbytes: int = CALIBRATION_BYTES) -> Rates:
                  measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **found)
 
 
-def _then(tag: str, state: memory.TagState) -> Callable[[], None]:
+def _then(tag: str, state: memory.TagState, place: str = memory.HOST) -> Callable[[], None]:
     """Bring `tag` to `state` now (untimed); the timed part leaves it: an active tag is
-    paused, a paused one resumed."""
+    paused (its backup at `place`), a paused one resumed."""
     if memory.state(tag) is not state:
-        (memory.pause if state is memory.TagState.PAUSED else memory.resume)(tag)
-    return lambda: (memory.pause if state is memory.TagState.ACTIVE else memory.resume)(tag)
+        if state is memory.TagState.PAUSED:
+            memory.pause(tag, place)
+        else:
+            memory.resume(tag)
+    if state is memory.TagState.ACTIVE:
+        return lambda: memory.pause(tag, place)
+    return lambda: memory.resume(tag)
 
 
 def _sync(device: torch.device) -> None:

@@ -29,11 +29,13 @@ from typing import Any
 import psutil
 import transformers
 
+from colocate.arbiter.host_budget import host_capacity as host_budget_capacity
 from colocate.engines.tiny import tiny_config
 from colocate.planning import Plan, Sync, TenantSpec, Turn, Wake, check, plan_run
 from colocate.planning.rates import Rates
 from examples.rl_loop.budget import arbiter_config, slot_sizes
 from examples.rl_loop.config import RLConfig
+from examples.rl_loop.host_memory import host_fields
 
 SPAWN_ORDER = ("trainer", "generator", "reference")
 
@@ -66,7 +68,9 @@ def turns(cfg: RLConfig) -> tuple[list[Turn], list[Turn]]:
 def make_plan(cfg: RLConfig, model: Path | transformers.PretrainedConfig, rates: Rates,
               on_gpu: bool = False) -> Plan:
     """The run's plan (see module): its capacity as the arbiter is told it (on a GPU with
-    `auto`, the device's memory)."""
+    `auto`, the device's memory), and its hosts' memory for backups as their arbiters are
+    told it (`run.host_memory`; `auto`, this machine's: a plan for another node gives that
+    node's), past which backups go to disk (`run.backup_dir`)."""
     capacity = arbiter_config(cfg, model, on_gpu).slot_capacity_bytes
     if capacity is None and on_gpu:
         import torch
@@ -75,8 +79,11 @@ def make_plan(cfg: RLConfig, model: Path | transformers.PretrainedConfig, rates:
     start, step = turns(cfg)
     process = rates.process_bytes or psutil.Process().memory_info().rss
     per_host = cfg.run.slots * (1 if cfg.run.colocate else 2)
+    host = host_fields(cfg.run)
     plan = plan_run(tenants(cfg, model), step, capacity, rates, cfg.run.policy, start,
-                    host_other_bytes=process, pinned=on_gpu, slots_per_host=per_host)
+                    host_other_bytes=process, pinned=on_gpu, slots_per_host=per_host,
+                    host_budget=host["host_capacity_bytes"] or host_budget_capacity(),
+                    backup_dir=host["backup_dir"])
     plan.notes["process_bytes_measured"] = bool(rates.process_bytes)
     return plan
 
