@@ -36,7 +36,7 @@ from examples.rl_loop.budget import auto_capacity, tenant_sizes
 from examples.rl_loop.config import load_config
 from examples.rl_loop.plan import model_config
 
-STEPS = 8
+STEPS = 10
 # the model sizes the fit's points come from: the default, and one that moves ~25x more
 SIZES = {"64x2": [],
          "192x4": ["model.hidden_size=192", "model.layers=4", "model.heads=4",
