@@ -26,7 +26,9 @@ def test_the_summary_names_each_test_by_outcome_and_keeps_each_benchmark_table(t
                    cwd=tmp_path, capture_output=True)
     (out / "bench-memory.log").write_text("warming up\n| pause GB/s | 12.5 |\n")
     (out / "rl-loop-metrics.json").write_text(json.dumps({
-        "summary": {"switch_share": 0.04, "devices": {"trainer": ["GPU-0"]}},
+        "summary": {"switch_share": 0.04, "devices": {"trainer": ["GPU-0"]},
+                    "plan": {"switch_time": {"predicted": 0.03, "measured": 0.025,
+                                             "error": 0.2, "target": 0.25}}},
         "steps": [{"step": -1, "eval_reward": 0.1},
                   {"step": 0, "switch_s": 0.01, "sync_s": 0.02, "step_s": 0.5},
                   {"step": 1, "switch_s": 0.03, "sync_s": 0.02, "step_s": 0.7}]}))
@@ -41,6 +43,7 @@ def test_the_summary_names_each_test_by_outcome_and_keeps_each_benchmark_table(t
     assert "- switch_share: 0.04" in rl and "GPU-0" in rl
     assert "- mean switch_s over 2 steps: 0.0200" in rl  # the eval row (-1) is not a step
     assert "- switch share from the second step on (median of 1): 0.071" in rl
+    assert "- plan switch_time: predicted 0.03, measured 0.025, error +0.200" in rl
     bench = subprocess.run([sys.executable, str(SUMMARY), str(out), "bench"],
                            capture_output=True, text=True, check=True).stdout
     assert "| pause GB/s | 12.5 |" in bench  # benchmarks only: no tests, no RL loop

@@ -137,6 +137,8 @@ PY
       part "RL loop, ~0.5 B" 80 110 bench-rl-loop.log \
         python3 -m examples.rl_loop "${big[@]}" run.out="$rl"
       cp "$rl/metrics.json" "$out/rl-loop-metrics.json" 2>/dev/null || status=1
+      # the GPU's rates (calibrated by the run's plan): plans for this GPU made elsewhere
+      cp "$HOME"/.cache/colocate/rates-*.json "$out/" 2>/dev/null || true
       if cap=$(python3 tests/gpu/slot_cap.py "$rl/metrics.json" "${big[@]}" run.out="$rl"); then
         part "RL loop, ~0.5 B, slot capped at $cap B" 80 110 bench-rl-loop-capped.log \
           python3 -m examples.rl_loop "${big[@]}" run.out="$rl-capped" run.slot_memory="$cap"

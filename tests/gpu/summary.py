@@ -9,8 +9,9 @@ OUT_DIR/budget.log (device.sh's line per part), OUT_DIR/gpu-tests*.xml (pytest's
 XML, one per part that ran tests), OUT_DIR/bench-*.log (what each benchmark printed) and
 OUT_DIR/rl-loop-metrics.json and rl-loop-capped-metrics.json (the RL loop's runs on the GPU,
 with the GPU's memory and capped: switch share, step time, devices, bytes moved against
-required; also the share from the second step on, the first step's being apart); a
-missing file is named in the summary, never skipped silently. `bench` (`device.sh
+required; the run's plan against it: each figure predicted, measured and the error; also
+the share from the second step on, the first step's being apart); a missing file is named
+in the summary, never skipped silently. `bench` (`device.sh
 bench`, benchmarks only) leaves out the tests and the RL loop.
 """
 
@@ -91,6 +92,11 @@ def rl_run(metrics: Path, title: str) -> list[str]:
         steps = [s for s in run.get("steps", []) if s.get("step", -1) >= 0]
         lines += [f"- {key}: {run['summary'][key]}" for key in RL_FIELDS
                   if key in run.get("summary", {})]
+        plan = run.get("summary", {}).get("plan", {})
+        lines += [f"- plan {key}: predicted {plan[key]['predicted']:.6g}, measured "
+                  f"{plan[key]['measured']:.6g}, error {plan[key]['error']:+.3f}"
+                  for key in ("bytes_moved", "switch_time", "peak_slot", "peak_host")
+                  if isinstance(plan.get(key), dict)]
         for key in ("switch_s", "sync_s", "step_s"):
             values = [s[key] for s in steps if key in s]
             if values:
