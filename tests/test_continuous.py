@@ -118,3 +118,47 @@ def test_a_sleep_waits_for_the_rows_in_flight(gen):
         gen.submit([STARTS[0]], SAMPLE)
     gen.tenancy.wake(["weights"])
     assert gen.submit([STARTS[0]], SAMPLE).result()[0].finished
+
+
+LONG = SamplingParams(max_new_tokens=100, temperature=1.0, seed=5)  # no stop token
+
+
+async def test_the_actor_merges_concurrent_calls_and_a_switch_preempts_them(tmp_path):
+    """Through `GeneratorActor.generate_continuous` on a Monarch proc: a one-token call sent
+    after a long one is answered first (the actor took both: they share the batch); a
+    preempting switch returns a running call's rows unfinished, and after it they are
+    continued to their ends, keeping what they had. A refused call raises its own error."""
+    import asyncio
+
+    from colocate import phase
+    from colocate.engines.actors import GeneratorActor
+    from colocate.engines.tiny import write_tiny_model
+    from colocate.testing import MemoryTenant, start_runtime
+    from services import ServiceConfig, spawn_service
+
+    path = write_tiny_model(tmp_path / "m", "qwen2", alphabet="0123456789+=>",
+                            max_positions=128)
+    async with start_runtime(gpus_per_host=1):
+        gen = await spawn_service(ServiceConfig(resource_group="rl"), GeneratorActor,
+                                  str(path), max_batch=4, name="generator")
+        trainer = await spawn_service(ServiceConfig(resource_group="rl"), MemoryTenant, 1,
+                                      name="trainer")
+        async with phase(gen):
+            long = asyncio.ensure_future(gen.generate_continuous.route([STARTS[0]], LONG))
+            [short] = await gen.generate_continuous.route(
+                [STARTS[1]], SamplingParams(max_new_tokens=1, seed=1))
+            assert len(short.tokens) == 1 and not long.done()
+            assert len((await long)[0].tokens) == LONG.max_new_tokens
+            running = asyncio.ensure_future(gen.generate_continuous.route(STARTS, LONG))
+            await asyncio.sleep(0.2)
+        async with phase(trainer, preempt=True):
+            assert running.done()
+            partial = running.result()
+        assert not all(c.finished for c in partial)
+        async with phase(gen):
+            done = await gen.generate_continuous.route(STARTS, LONG, partial)
+            with pytest.raises(ValueError, match="do not fit"):  # the call's, not a fault
+                await gen.generate_continuous.route([[1] * 100], LONG)
+        assert all(c.finished and len(c.tokens) == LONG.max_new_tokens for c in done)
+        assert [c.tokens[:len(p.tokens)] for c, p in zip(done, partial, strict=True)] \
+            == [p.tokens for p in partial]
