@@ -162,3 +162,15 @@ async def test_the_actor_merges_concurrent_calls_and_a_switch_preempts_them(tmp_
         assert all(c.finished and len(c.tokens) == LONG.max_new_tokens for c in done)
         assert [c.tokens[:len(p.tokens)] for c, p in zip(done, partial, strict=True)] \
             == [p.tokens for p in partial]
+
+
+def test_continuous_rollouts_are_refused_where_they_cannot_run():
+    from examples.rl_loop.config import load_config
+    from examples.rl_loop.rollouts import RolloutConfig
+
+    RolloutConfig(continuous=True)
+    for bad in ({"cohorts": 2}, {"mode": "partial"}):
+        with pytest.raises(ValueError, match="rollout.continuous=true runs each episode"):
+            RolloutConfig(continuous=True, **bad)
+    with pytest.raises(ValueError, match="needs run.engine=torch"):
+        load_config(overrides=["run.engine=vllm", "rollout.continuous=true"])
