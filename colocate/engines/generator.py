@@ -23,6 +23,12 @@ That cache is working memory, declared with the batch's (`tenancy.working_bytes`
 `session_cache_bytes`), and it goes at every sleep and every weight load; each row's
 `Completion.prefix` and the running `prefix_counts()` say what was reused and what was
 computed again (`sessions`).
+
+`submit` is `generate` by continuous batching (`decoding`): calls made at once (an
+episode's turn each) feed one running decode loop on a thread of the generator's own,
+whose rows join and leave as they come; each row's tokens depend on the row alone, so the
+same seed gives the same completions whatever the calls' timing. A sleep or a weight load
+waits until no such call is in flight, and a whole-batch `generate` runs between them.
 """
 
 from __future__ import annotations
