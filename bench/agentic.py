@@ -168,7 +168,8 @@ async def prefix_shares(loop: Loop, rows: list) -> dict[str, float]:
     return found
 
 
-async def timed_arms(loop: Loop, rows: list, arms: tuple[str, ...], cohorts: int
+async def timed_arms(loop: Loop, rows: list, arms: tuple[str, ...], cohorts: int,
+                     written: dict[str, list[list[int]]] | None = None
                      ) -> dict[str, dict[str, Any]]:
     """`rows`' episodes run each way `arms` names: at_once (all in lockstep), cohorts (all,
     in `cohorts` cohorts), continuous (each on its own, joining the running batch),
@@ -198,6 +199,8 @@ async def timed_arms(loop: Loop, rows: list, arms: tuple[str, ...], cohorts: int
         wall = time.monotonic() - began
         calls = sum(g.metrics["tools/calls"] for g in got)
         busy = covered(spans) / wall
+        if written is not None:  # each episode's tokens, by arm
+            written[arm] = [c.tokens for g in got for c in g.completions]
         found[arm] = {"samples_per_s": len(rows) / wall, "wall_s": wall,
                       "generator_busy_share": busy, "tool_calls": calls}
         print(f"{arm}: {len(rows)} episodes in {wall:.2f} s, {calls} tool calls, "
@@ -220,14 +223,19 @@ async def throughput(work: Path, model: Path, episodes: int, cohorts: int
     """`episodes` episodes of the trained model on two torch replicas: with 50 ms tools,
     the prefix shares, then all at once (in lockstep, in `cohorts` cohorts, continuous)
     against one at a time; with SLOWER_MS tools, lockstep against cohorts and continuous
-    (see module)."""
+    (see module). Whether the continuous episodes wrote the same tokens with both tools
+    (`continuous_same_tokens_both_tools`: a row's tokens do not depend on what joins it)."""
+    fast: dict[str, list[list[int]]] = {}
+    slow: dict[str, list[list[int]]] = {}
     async with started(work, model, SLOW_MS, episodes) as loop:
         rows = loop.source.eval_rows()[:episodes]
         found: dict[str, Any] = await prefix_shares(loop, rows)
         found.update(await timed_arms(loop, rows, ("at_once", "cohorts", "continuous",
-                                                   "one_at_a_time"), cohorts))
+                                                   "one_at_a_time"), cohorts, fast))
     async with started(work, model, SLOWER_MS, episodes) as loop:
-        slower = await timed_arms(loop, rows, ("at_once", "cohorts", "continuous"), cohorts)
+        slower = await timed_arms(loop, rows, ("at_once", "cohorts", "continuous"), cohorts,
+                                  slow)
+    found["continuous_same_tokens_both_tools"] = fast["continuous"] == slow["continuous"]
     found.update({f"{arm}_slower_tool": figures for arm, figures in slower.items()})
     return found
 
@@ -327,7 +335,7 @@ def main() -> None:
         "generator_busy_share_slower_tool": {
             arm: arms[f"{arm}_slower_tool"]["generator_busy_share"]
             for arm in ("at_once", "cohorts", "continuous")},
-        **{k: v for k, v in arms.items() if k.startswith("prefix_")},
+        **{k: v for k, v in arms.items() if k.startswith(("prefix_", "continuous_same"))},
     }
     text = json.dumps(result, indent=2)
     if args.out:

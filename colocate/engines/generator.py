@@ -137,7 +137,10 @@ class TorchGenerator:
         element = next(model.parameters()).element_size()
         self.session_kv = SessionKV(session_cache_bytes, max_sessions,
                                     kv_numbers_per_token(config) * element)
-        if session_cache_bytes and not plain_layers(DynamicCache(config=model.config)):
+        # sliding-window layers keep and attend a window: neither sessions' keys nor the
+        # continuous batch's full-width mask fit them
+        self.full_attention = plain_layers(DynamicCache(config=model.config))
+        if session_cache_bytes and not self.full_attention:
             raise ValueError("session_cache_bytes: this model's cache has sliding-window "
                              "layers, whose keys and values cannot be kept per session; "
                              "leave session_cache_bytes=0")
@@ -247,6 +250,9 @@ class TorchGenerator:
         sameness holds as long as the session cache evicts nothing (`session_kv.evicted`:
         which session is evicted follows the calls' order, and a recomputed prefix is not
         bitwise the reused one). A sleep or a weight load waits until no call runs."""
+        if not self.full_attention:
+            raise ValueError("submit: this model has sliding-window layers, which the "
+                             "continuous batch's cache does not keep; call generate")
         with self._gate:
             self.tenancy.ensure_awake()
             self._ensure_weights()
