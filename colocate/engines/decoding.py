@@ -22,10 +22,11 @@ depend on the row alone, never on its companions or its slot, so
 The price of that: every step computes `slots` rows and attends over `length` columns,
 however few rows run and however short they are.
 
-Transformers' own continuous batching (`generation.continuous_batching`) is not used: it
-samples every request from one shared RNG over packed batches whose shapes follow their
-companions, so a request's tokens change with the others' timing, and it cannot hand a
-preempted request's tokens back or start from our sessions' keys and values.
+Transformers' own continuous batching (`generation.continuous_batching`, 5.19) is not used:
+it samples every request from one shared RNG (one seed per manager) over packed batches
+whose shapes follow their companions, so a request's tokens change with the others
+(checked: seed 7, a request alone and beside a second one got other tokens), and it
+cannot hand a preempted request's tokens back or start from our sessions' keys and values.
 """
 
 from __future__ import annotations
