@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from colocate.engines.generator import TorchGenerator
 from colocate.engines.models import load_model
@@ -105,10 +106,19 @@ def test_a_stopped_call_returns_its_rows_unfinished_and_continues(gen):
     assert beside.result()[0] == gen.submit([STARTS[0]], params).result()[0]
 
 
-def test_a_sleep_waits_for_the_rows_in_flight(gen):
+def test_a_sleep_waits_for_the_rows_in_flight(gen, model_dirs):
     """A sleep asked while a call's rows decode happens after they ended; a call to a
-    sleeping generator is refused."""
+    sleeping generator is refused, and so is one to a generator whose weights were
+    discarded. The batch's cache is the KV cache its declared working memory counts."""
+    from colocate.engines.decoding import SlotCache
+    from colocate.engines.generator import WeightsDiscardedError, working_bytes
     from colocate.memory import TagPausedError
+
+    config = gen.model.config
+    cache = SlotCache(config, gen.max_batch, gen.max_len, torch.float32, gen.device)
+    kv = sum(t.nbytes for t in (*cache.keys, *cache.values))
+    logits = gen.max_batch * config.vocab_size * 4
+    assert kv + logits == working_bytes(config.to_dict(), gen.max_batch, gen.max_len)
 
     future = gen.submit([STARTS[2]], SamplingParams(max_new_tokens=16, temperature=1.0,
                                                    seed=1))
@@ -118,6 +128,12 @@ def test_a_sleep_waits_for_the_rows_in_flight(gen):
         gen.submit([STARTS[0]], SAMPLE)
     gen.tenancy.wake(["weights"])
     assert gen.submit([STARTS[0]], SAMPLE).result()[0].finished
+    dropped = TorchGenerator(load_model(model_dirs["qwen2"]), max_batch=2, prefix="g_cb_drop",
+                             keep_weights=False)
+    dropped.tenancy.sleep()
+    dropped.tenancy.wake(["weights"])
+    with pytest.raises(WeightsDiscardedError):
+        dropped.submit([STARTS[0]], SAMPLE)
 
 
 LONG = SamplingParams(max_new_tokens=100, temperature=1.0, seed=5)  # no stop token
