@@ -98,7 +98,7 @@ class SlotCache:
                 [v[slot, :, :count].clone() for v in self.values])
 
 
-@dataclass
+@dataclass(eq=False)  # one call: identity
 class Request:
     """One call: its rows' tokens to prefill (`rows[i]`: None, nothing to generate), its
     sampling, each row's session, its `stop`, and what `finish` makes of each row's new
@@ -118,7 +118,7 @@ class Request:
         self.left = sum(row is not None for row in self.rows)
 
 
-@dataclass
+@dataclass(eq=False)  # one row in a slot: identity (found by `list.index`)
 class _Live:
     """A row in a slot: its call, its index there, what it prefilled, its generator, the
     column its next token goes to, and its tokens so far."""
