@@ -14,7 +14,11 @@ the episodes together buys when tools are slow.
    each; and all at once in `--cohorts` cohorts (`rollout.cohorts`: one cohort decodes while
    another waits for its tools) against all in lockstep (`cohorts_over_lockstep`), and
    the same with 400 ms tools (`cohorts_over_lockstep_slower_tool`): cohorts pay only
-   where a tool call takes longer than a turn's decoding.
+   where a tool call takes longer than a turn's decoding. And continuous batching
+   (`rollout.continuous`: each episode on its own, every turn's call joining its replica's
+   running batch of `generator.max_batch` slots, `slots(episodes)`) against lockstep
+   and against cohorts, with both tools (`continuous_over_lockstep`,
+   `continuous_over_cohorts`, and `_slower_tool` of each).
 3. On two torch generator replicas with a session KV cache (`generator.session_cache_mb`),
    the same episodes with each episode's turns on its own replica (sticky, as the loop
    runs them) against dealt round robin: the share of the turns' earlier tokens computed
@@ -114,10 +118,19 @@ TURN = SamplingParams(max_new_tokens=8, temperature=0)  # no stop token: 8 token
 TOOL_ANSWER = [4, 5]  # what each session appends after a turn, as a tool's answer would be
 
 
+def slots(episodes: int) -> int:
+    """The rows a replica decodes together: room for its share of `episodes` (two
+    replicas, each episode's turns on the replica its session hashes to, so rarely an
+    even split), as a continuous batch decodes every slot each step."""
+    return max(1, episodes * 5 // 8)
+
+
 @asynccontextmanager
-async def started(work: Path, model: Path, tool_ms: float) -> AsyncIterator[Loop]:
+async def started(work: Path, model: Path, tool_ms: float, episodes: int
+                  ) -> AsyncIterator[Loop]:
     """The trained model's loop with `tool_ms` tools on two torch generator replicas, each
-    with a session KV cache, started, its generator awake and warmed by two episodes."""
+    with a session KV cache and `slots(episodes)` rows a batch, started,
+    its generator awake and warmed by two episodes (and two continuous ones)."""
     from colocate import phase
     from examples.rl_loop.config import load_config
     from examples.rl_loop.loop import Loop
@@ -126,12 +139,17 @@ async def started(work: Path, model: Path, tool_ms: float) -> AsyncIterator[Loop
     slow.write_text(slow_tool(tool_ms))
     cfg = load_config(overrides=[*task_overrides(work / "data", f"{slow}:calculator"),
                                  f"model.path={model}", "tools.workers=8", "run.slots=2",
-                                 *TORCH, f"run.out={work / f'throughput_{tool_ms:g}ms'}"])
+                                 *TORCH, f"generator.max_batch={slots(episodes)}",
+                                 f"run.out={work / f'throughput_{tool_ms:g}ms'}"])
     loop = Loop(cfg)
     await loop.start()
     try:
         async with phase(loop.generator):
-            await loop.rollouts.episodes(loop.source.eval_rows()[:2], loop.greedy, 1)  # warm
+            rows, lockstep = loop.source.eval_rows()[:2], loop.rollouts.cfg
+            await loop.rollouts.episodes(rows, loop.greedy, 1)  # warm
+            loop.rollouts.cfg = replace(lockstep, continuous=True)
+            await loop.rollouts.episodes(rows, loop.greedy, 1)
+            loop.rollouts.cfg = lockstep
             yield loop
     finally:
         await loop.stop()
@@ -150,11 +168,13 @@ async def prefix_shares(loop: Loop, rows: list) -> dict[str, float]:
     return found
 
 
-async def timed_arms(loop: Loop, rows: list, arms: tuple[str, ...], cohorts: int
+async def timed_arms(loop: Loop, rows: list, arms: tuple[str, ...], cohorts: int,
+                     written: dict[str, list[list[int]]] | None = None
                      ) -> dict[str, dict[str, Any]]:
     """`rows`' episodes run each way `arms` names: at_once (all in lockstep), cohorts (all,
-    in `cohorts` cohorts), one_at_a_time; the wall time, samples per second and the share of
-    the wall time some generate call was under way (`generator_busy_share`)."""
+    in `cohorts` cohorts), continuous (each on its own, joining the running batch),
+    one_at_a_time; the wall time, samples per second and the share of the wall time some
+    generate call was under way (`generator_busy_share`)."""
     rollouts, lockstep = loop.rollouts, loop.rollouts.cfg
     generate, spans = rollouts.generate_turns, []
 
@@ -168,7 +188,8 @@ async def timed_arms(loop: Loop, rows: list, arms: tuple[str, ...], cohorts: int
     rollouts.generate_turns = timed  # this bench's own rollouts, timed
     found = {}
     for arm in arms:
-        rollouts.cfg = replace(lockstep, cohorts=cohorts if arm == "cohorts" else 1)
+        rollouts.cfg = replace(lockstep, cohorts=cohorts if arm == "cohorts" else 1,
+                               continuous=arm == "continuous")
         spans.clear()
         began = time.monotonic()
         if arm == "one_at_a_time":
@@ -178,6 +199,8 @@ async def timed_arms(loop: Loop, rows: list, arms: tuple[str, ...], cohorts: int
         wall = time.monotonic() - began
         calls = sum(g.metrics["tools/calls"] for g in got)
         busy = covered(spans) / wall
+        if written is not None:  # each episode's tokens, by arm
+            written[arm] = [c.tokens for g in got for c in g.completions]
         found[arm] = {"samples_per_s": len(rows) / wall, "wall_s": wall,
                       "generator_busy_share": busy, "tool_calls": calls}
         print(f"{arm}: {len(rows)} episodes in {wall:.2f} s, {calls} tool calls, "
@@ -198,15 +221,21 @@ def covered(spans: list[tuple[float, float]]) -> float:
 async def throughput(work: Path, model: Path, episodes: int, cohorts: int
                      ) -> dict[str, Any]:
     """`episodes` episodes of the trained model on two torch replicas: with 50 ms tools,
-    the prefix shares, then all at once (in lockstep and in `cohorts` cohorts) against one
-    at a time; with SLOWER_MS tools, lockstep against cohorts (see module)."""
-    async with started(work, model, SLOW_MS) as loop:
+    the prefix shares, then all at once (in lockstep, in `cohorts` cohorts, continuous)
+    against one at a time; with SLOWER_MS tools, lockstep against cohorts and continuous
+    (see module). Whether the continuous episodes wrote the same tokens with both tools
+    (`continuous_same_tokens_both_tools`: a row's tokens do not depend on what joins it)."""
+    fast: dict[str, list[list[int]]] = {}
+    slow: dict[str, list[list[int]]] = {}
+    async with started(work, model, SLOW_MS, episodes) as loop:
         rows = loop.source.eval_rows()[:episodes]
         found: dict[str, Any] = await prefix_shares(loop, rows)
-        found.update(await timed_arms(loop, rows, ("at_once", "cohorts", "one_at_a_time"),
-                                      cohorts))
-    async with started(work, model, SLOWER_MS) as loop:
-        slower = await timed_arms(loop, rows, ("at_once", "cohorts"), cohorts)
+        found.update(await timed_arms(loop, rows, ("at_once", "cohorts", "continuous",
+                                                   "one_at_a_time"), cohorts, fast))
+    async with started(work, model, SLOWER_MS, episodes) as loop:
+        slower = await timed_arms(loop, rows, ("at_once", "cohorts", "continuous"), cohorts,
+                                  slow)
+    found["continuous_same_tokens_both_tools"] = fast["continuous"] == slow["continuous"]
     found.update({f"{arm}_slower_tool": figures for arm, figures in slower.items()})
     return found
 
@@ -291,9 +320,22 @@ def main() -> None:
         / arms["at_once"]["samples_per_s"],
         "cohorts_over_lockstep_slower_tool": arms["cohorts_slower_tool"]["samples_per_s"]
         / arms["at_once_slower_tool"]["samples_per_s"],
+        "continuous_over_lockstep": arms["continuous"]["samples_per_s"]
+        / arms["at_once"]["samples_per_s"],
+        "continuous_over_lockstep_slower_tool": arms["continuous_slower_tool"]["samples_per_s"]
+        / arms["at_once_slower_tool"]["samples_per_s"],
+        "continuous_over_cohorts": arms["continuous"]["samples_per_s"]
+        / arms["cohorts"]["samples_per_s"],
+        "continuous_over_cohorts_slower_tool":
+            arms["continuous_slower_tool"]["samples_per_s"]
+            / arms["cohorts_slower_tool"]["samples_per_s"],
         "generator_busy_share": {arm: arms[arm]["generator_busy_share"]
-                                 for arm in ("at_once", "cohorts", "one_at_a_time")},
-        **{k: v for k, v in arms.items() if k.startswith("prefix_")},
+                                 for arm in ("at_once", "cohorts", "continuous",
+                                             "one_at_a_time")},
+        "generator_busy_share_slower_tool": {
+            arm: arms[f"{arm}_slower_tool"]["generator_busy_share"]
+            for arm in ("at_once", "cohorts", "continuous")},
+        **{k: v for k, v in arms.items() if k.startswith(("prefix_", "continuous_same"))},
     }
     text = json.dumps(result, indent=2)
     if args.out:

@@ -126,8 +126,7 @@ def rollouts(script: Script, transcript: Transcript, envs: Environments, positio
     grpo = GRPOConfig(group_size=2, prompts_per_step=1)  # unused: episodes() is given its rows
     return AgentRollouts(None, script.generate, lambda i: None, grpo, 8,
                          RolloutConfig(**rollout), transcript, lambda: tools, positions,
-                         lambda tokens, params, sessions, sticky: script.generate(tokens,
-                                                                                  params),
+                         lambda tokens, params, *routing: script.generate(tokens, params),
                          envs=envs)
 
 
@@ -211,7 +210,7 @@ async def test_dynamic_sampling_counts_every_rounds_environment_steps(plain, spe
                                      stop_token_ids=(tokenizer.eos_token_id,)),
         GRPOConfig(group_size=2, prompts_per_step=1, dynamic_sampling=True, max_gen_batches=2),
         8, RolloutConfig(max_turns=3), Transcript(tokenizer, []), lambda: None, 64,
-        lambda tokens, params, sessions, sticky: script.generate(tokens, params), score,
+        lambda tokens, params, sessions, sticky, continuous: script.generate(tokens, params), score,
         Environments(EnvConfig(cls=spec("Hint"))))
     got = await rollouts.generate(0)
     assert [r.prompt for r in got.rows] == ["1+2=?"] and got.scored.values == [0.0, 1.0]

@@ -70,8 +70,7 @@ def rollouts(script: Script, transcript: Transcript, client: ToolClient, positio
     grpo = GRPOConfig(group_size=2, prompts_per_step=1)
     return AgentRollouts(None, script.generate, lambda i: None, grpo, 8,
                          RolloutConfig(**rollout), transcript, lambda: client, positions,
-                         lambda tokens, params, sessions, sticky: script.generate(tokens,
-                                                                                  params))
+                         lambda tokens, params, *routing: script.generate(tokens, params))
 
 
 @pytest.fixture(scope="module")
@@ -161,12 +160,13 @@ class Timed:
         return self.client.take_stats()
 
 
-@pytest.mark.parametrize("cohorts", [1, 2])
+@pytest.mark.parametrize("cohorts", [1, 2, "continuous"])
 async def test_one_cohort_decodes_while_another_waits_for_its_tools(plain, tmp_path, cohorts):
     """Two cohorts: a generate call starts while the other cohort's tool calls (50 ms
     each) are under way, and each cohort's calls are seeded from its first episode's index;
-    in lockstep (one cohort), no generate call meets a tool call. The episodes are the
-    same either way (the script answers by row)."""
+    in lockstep (one cohort), no generate call meets a tool call. Continuous: each
+    episode's turn is a call of one row of its own, seeded from its index, asking to join
+    the running batch. The episodes are the same either way (the script answers by row)."""
     tokenizer, _ = plain
     (tmp_path / "slow.py").write_text(slow_tool(50))
     cfg = ToolsConfig(funcs=[f"{tmp_path / 'slow.py'}:calculator"], workers=4, timeout_s=5)
@@ -174,24 +174,32 @@ async def test_one_cohort_decodes_while_another_waits_for_its_tools(plain, tmp_p
     prompts = ("12*34=", "56*78=", "9*9=", "7*6=")
     script = Script(tokenizer, {p: [f"c({p[:-1]})", "1" + EOS] for p in prompts},
                     transcript.stop_ids)
-    starts, seeds = [], []
+    starts, seeds, joining = [], [], set()
 
-    async def generate(tokens, params, sessions, sticky):
+    async def generate(tokens, params, sessions, sticky, continuous):
         starts.append(time.monotonic())
         seeds.append(params.seed)
+        joining.add((len(tokens), continuous))
         return await script.generate(tokens, params)
+
+    mode = {"continuous": True} if cohorts == "continuous" else {"cohorts": cohorts}
 
     async with start_runtime(gpus_per_host=1):
         client = Timed(await ToolClient.spawn(cfg))
-        agent = rollouts(script, transcript, client, 64, max_turns=2, cohorts=cohorts)
+        agent = rollouts(script, transcript, client, 64, max_turns=2, **mode)
         agent.generate_turns = generate
         got = await agent.episodes([row(tokenizer, p) for p in prompts], SamplingParams(
             max_new_tokens=10, stop_token_ids=(tokenizer.eos_token_id,), seed=100), 1)
     texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in got.completions]
     assert texts == ["c(12*34)[408]1", "c(56*78)[4368]1", "c(9*9)[81]1", "c(7*6)[42]1"]
-    assert len(client.windows) == 4 and len(starts) == 2 * cohorts
     during = [t for t in starts if any(a < t < b for a, b in client.windows)]
     turn = 15_485_863  # episodes.TURN_SEED
+    if cohorts == "continuous":
+        assert len(client.windows) == 4 and len(starts) == 8 and joining == {(1, True)}
+        assert during and sorted(seeds) == [100 + t + i for t in (0, turn) for i in range(4)]
+        return
+    assert len(client.windows) == 4 and len(starts) == 2 * cohorts
+    assert joining == {(4 // cohorts, False)}
     if cohorts == 1:
         assert not during and seeds == [100, 100 + turn]
     else:

@@ -186,7 +186,9 @@ def test_a_model_with_sliding_window_layers_is_refused_a_session_cache(tmp_path)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match="sliding-window layers"):
         TorchGenerator(model, prefix="sliding", session_cache_bytes=CACHE)
-    TorchGenerator(model, prefix="sliding2")  # without a session cache it serves
+    plain = TorchGenerator(model, prefix="sliding2")  # without a session cache it serves
+    with pytest.raises(ValueError, match="sliding-window layers"):  # but not continuously
+        plain.submit([[1, 2]], GREEDY)
 
 
 @pytest.mark.timeout(300)

@@ -73,14 +73,26 @@ class Preemption:
     @contextmanager
     def call(self) -> Iterator[None]:
         """Count a preemptible call while it runs."""
-        with self._changed:
-            self._running += 1
+        ended = self.begin()
         try:
             yield
         finally:
-            with self._changed:
-                self._running -= 1
-                self._changed.notify_all()
+            ended()
+
+    def begin(self) -> Callable[[], None]:
+        """Count a preemptible call from now until the function returned is called (once,
+        from any thread): a call whose answer comes after its endpoint returned."""
+        with self._changed:
+            self._running += 1
+        once = threading.Lock()
+
+        def ended() -> None:
+            if once.acquire(blocking=False):
+                with self._changed:
+                    self._running -= 1
+                    self._changed.notify_all()
+
+        return ended
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no preemptible call runs; False when one still runs after

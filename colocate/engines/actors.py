@@ -18,9 +18,10 @@ Monarch's own (see `compute_thread`).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
-from monarch.actor import endpoint
+from monarch.actor import ActorError, Port, endpoint
 
 from colocate.arbiter.actor import TenantActor
 from colocate.calls import needs, preemptible
@@ -197,6 +198,46 @@ class GeneratorActor(TenantActor):
                                         sessions)
         return self.compute.run(self.engine.generate, prompts, params, partial,
                                 self.preemption.asked, sessions)
+
+    @endpoint(explicit_response_port=True)
+    @needs("weights", "kv_cache")
+    @preemptible
+    def generate_continuous(self, port: Port, prompts: list[list[int]],
+                            params: SamplingParams,
+                            partial: list[Completion | None] | None = None,
+                            sessions: list[str | None] | None = None) -> None:
+        """`generate` by continuous batching (the torch engine): the endpoint takes the
+        call and returns, and the answer comes once the call's rows have ended; calls taken
+        meanwhile join the same running batch (`TorchGenerator.submit`), so many small
+        calls (an episode's turn each) decode together. A row's tokens depend on the row
+        alone (its prompt, the seed + its index), however the calls overlap. Preempted
+        like `generate` (its rows come back unfinished); a sleep waits for its rows.
+
+        Monarch runs an actor's sync endpoints one at a time, so the answer goes through
+        the call's port (`explicit_response_port`), sent from the decode thread."""
+        ended = self.preemption.begin()  # counted until answered: a preempt waits for it
+
+        def failed(err: BaseException) -> None:  # wrapped as Monarch wraps an endpoint's
+            ended()
+            port.exception(ActorError(err, "Actor call generate_continuous failed."))
+
+        def answer(done: Future[list[Completion]]) -> None:
+            err = done.exception()
+            if err is not None:
+                failed(err)
+            else:
+                ended()
+                port.send(done.result())
+
+        try:
+            submit = getattr(self.engine, "submit", None)
+            if submit is None:
+                raise ValueError("generate_continuous needs the torch engine; the vLLM "
+                                 "engine batches its own requests: call generate")
+            submit(prompts, params, partial, self.preemption.asked, sessions
+                   ).add_done_callback(answer)
+        except Exception as err:  # through the port: one escaping would fail the actor
+            failed(err)
 
     @endpoint
     @needs("weights")

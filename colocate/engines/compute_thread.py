@@ -38,7 +38,8 @@ _Job = tuple[concurrent.futures.Future, Callable[..., Any], tuple, dict]
 
 class ComputeThread:
     """Runs calls one at a time on one thread of its own; `run` waits for the result (or
-    raises what the call raised) and carries the caller's current CUDA device over."""
+    raises what the call raised), `submit` queues one and returns its future; both carry
+    the caller's current CUDA device over."""
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -50,11 +51,16 @@ class ComputeThread:
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if threading.current_thread() is self.thread:  # a call from within: run it here
             return fn(*args, **kwargs)
+        return self.submit(fn, *args, **kwargs).result()
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any
+               ) -> concurrent.futures.Future[T]:
+        """Queue a call without waiting: its future gives the result (or the error)."""
         if torch.cuda.is_initialized():  # the current device is per thread
             fn, args = _on_device, (torch.cuda.current_device(), fn, *args)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._jobs.put((future, fn, args, kwargs))
-        return future.result()
+        return future
 
 
 def _on_device(device: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

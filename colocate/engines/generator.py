@@ -23,20 +23,32 @@ That cache is working memory, declared with the batch's (`tenancy.working_bytes`
 `session_cache_bytes`), and it goes at every sleep and every weight load; each row's
 `Completion.prefix` and the running `prefix_counts()` say what was reused and what was
 computed again (`sessions`).
+
+`submit` is `generate` by continuous batching (`decoding`): calls made at once (an
+episode's turn each) feed one running decode loop on a thread of the generator's own,
+whose rows join and leave as they come; each row's tokens depend on the row alone, so the
+same seed gives the same completions whatever the calls' timing. A sleep or a weight load
+waits until no such call is in flight, and a whole-batch `generate` runs between them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 
 from colocate.arbiter.tenant import TaggedTenant
+from colocate.engines.decoding import ContinuousBatcher, Request, queued_rows
+from colocate.engines.draw import draw
 from colocate.engines.generating import check_prompts
 from colocate.engines.kv_sessions import (
-    CachedPrefix,
+    BatchRow,
+    LayerKV,
     SessionKV,
     plain_layers,
     prefilled_cache,
@@ -90,29 +102,20 @@ class WeightsDiscardedError(RuntimeError):
 
 @dataclass
 class _SleepHook(TaggedTenant):
-    """The generator's tenancy: its stages' tags, and before any sleep `on_sleep` (which
-    lets go of the session cache, so the sleep's release returns its memory too)."""
+    """The generator's tenancy: its stages' tags; a sleep waits, inside `guard`, until no
+    row is in flight (no continuous call runs), and first calls `on_sleep` (which lets go
+    of the session cache, so the sleep's release returns its memory too)."""
 
     on_sleep: Callable[[], object] | None = None
+    guard: Callable[[], AbstractContextManager] = nullcontext
 
     def sleep(self, stages: Sequence[str] | None = None,
               places: Mapping[str, str] | None = None) -> int:
         self._check_stages(stages or ())
-        if self.on_sleep is not None and (stages is None or stages):
-            self.on_sleep()
-        return super().sleep(stages, places)
-
-
-@dataclass
-class _Row:
-    """A row of a batch: the tokens to prefill (prompt, and a continued completion's tokens
-    so far), the most it may sample, and its first `reuse` tokens' keys and values from
-    the session cache."""
-
-    tokens: list[int]
-    budget: int
-    cached: CachedPrefix | None = None
-    reuse: int = 0
+        with self.guard():
+            if self.on_sleep is not None and (stages is None or stages):
+                self.on_sleep()
+            return super().sleep(stages, places)
 
 
 class TorchGenerator:
@@ -134,7 +137,10 @@ class TorchGenerator:
         element = next(model.parameters()).element_size()
         self.session_kv = SessionKV(session_cache_bytes, max_sessions,
                                     kv_numbers_per_token(config) * element)
-        if session_cache_bytes and not plain_layers(DynamicCache(config=model.config)):
+        # sliding-window layers keep and attend a window: neither sessions' keys nor the
+        # continuous batch's full-width mask fit them
+        self.full_attention = plain_layers(DynamicCache(config=model.config))
+        if session_cache_bytes and not self.full_attention:
             raise ValueError("session_cache_bytes: this model's cache has sliding-window "
                              "layers, whose keys and values cannot be kept per session; "
                              "leave session_cache_bytes=0")
@@ -143,8 +149,11 @@ class TorchGenerator:
         stages = {**STAGES, "weights": keep_weights}
         # kept weights are refillable: the next sync rewrites them, and `generate` refuses
         # lost ones, so a host without room for their backup may drop them
+        self._gate = threading.Condition()  # guards the continuous calls' state
+        self._in_flight = 0  # continuous calls not yet returned
         self.tenancy = _SleepHook({s: f"{prefix}/{s}" for s in stages}, backup=stages,
-                                  refillable=("weights",), on_sleep=self.session_kv.clear)
+                                  refillable=("weights",), on_sleep=self.session_kv.clear,
+                                  guard=self._idle)
         self.model = model.to(device).eval().requires_grad_(False)
         # the tensors a weight sync refills; derived buffers (rotary frequencies) stay
         # untagged: they are small, and no sync would bring them back if discarded
@@ -155,6 +164,9 @@ class TorchGenerator:
         self.tenancy.working_bytes = working_bytes(config, max_batch, self.max_len, element) \
             + session_cache_bytes
         self.version = 0  # of the weights: + 1 at each load (Completion.versions)
+        self.batcher = ContinuousBatcher(self.model, max_batch, self.max_len, device,
+                                         f"{prefix}-decode", self._gate, self._row,
+                                         self._account, self._returned)
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -163,10 +175,11 @@ class TorchGenerator:
         time; returns the bytes copied. Every name and shape is checked before anything is
         written."""
         self.tenancy.ensure_stage("weights")
-        copied = copy_weights(self.model, weights)  # all of them, or nothing
-        self.session_kv.clear()  # computed with the weights of before
-        self.tenancy.refilled("weights")
-        self.version += 1
+        with self._idle():  # never under a row in flight
+            copied = copy_weights(self.model, weights)  # all of them, or nothing
+            self.session_kv.clear()  # computed with the weights of before
+            self.tenancy.refilled("weights")
+            self.version += 1
         return copied
 
     def receive(self, source: str) -> int:
@@ -215,7 +228,72 @@ class TorchGenerator:
         `sessions[i]`, when given, names the trajectory row i continues (None: none): the
         keys and values its last call computed are reused for as many of this row's
         leading tokens as equal that call's, and this row's are kept for its next call,
-        as the session cache's bounds allow. Each completion's `prefix` counts it."""
+        as the session cache's bounds allow. Each completion's `prefix` counts it.
+
+        It runs as a whole batch of its own (after any continuous call in flight, see
+        `submit`)."""
+        with self._idle():
+            return self._whole(prompts, params, partial, stop, sessions)
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+               partial: Sequence[Completion | None] | None = None,
+               stop: Callable[[], bool] | None = None,
+               sessions: Sequence[str | None] | None = None) -> Future[list[Completion]]:
+        """What `generate` returns, by continuous batching (`decoding`): the rows join the
+        running batch of the calls submitted before and leave as they end, and the
+        future's result comes once all of this call's have. Each row's tokens and
+        log-probabilities depend on the row alone (its prompt, the seed, its index in
+        the call): the same calls give the same completions however they overlap, and a
+        call alone gives the same. Every row is seeded with `params.seed` + its index.
+
+        Not bitwise equal to `generate`'s whole batches (other shapes); with sessions the
+        sameness holds as long as the session cache evicts nothing (`session_kv.evicted`:
+        which session is evicted follows the calls' order, and a recomputed prefix is not
+        bitwise the reused one). A sleep or a weight load waits until no call runs."""
+        if not self.full_attention:
+            raise ValueError("submit: this model has sliding-window layers, which the "
+                             "continuous batch's cache does not keep; call generate")
+        with self._gate:
+            self.tenancy.ensure_awake()
+            self._ensure_weights()
+            check_prompts(prompts, params.max_new_tokens, self.max_len,
+                          "max_position_embeddings")
+            before = partial_list(partial, len(prompts), params)
+            names = check_sessions(sessions, len(prompts))
+            seed = params.seed if params.seed is not None else torch.seed()
+            version = self.version
+
+            def finish(index: int, completion: Completion) -> Completion:
+                return continued(before[index], completion, version)
+
+            request = Request(queued_rows(before, prompts, params.max_new_tokens), params,
+                              seed, names, stop,
+                              [done and replace(done, prefix=None) for done in before],
+                              finish)
+            if request.left == 0:
+                request.future.set_result(request.out)
+            else:
+                self._in_flight += 1
+                self.batcher.add(request)
+        return request.future
+
+    def _returned(self, request: Request) -> None:
+        """A continuous call's rows all ended (holding the gate)."""
+        self._in_flight -= 1
+        self._gate.notify_all()
+
+    @contextmanager
+    def _idle(self) -> Iterator[None]:
+        """Once no continuous call is in flight, hold the gate: none starts meanwhile."""
+        with self._gate:
+            self._gate.wait_for(lambda: self._in_flight == 0)
+            yield
+
+    def _whole(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+               partial: Sequence[Completion | None] | None,
+               stop: Callable[[], bool] | None,
+               sessions: Sequence[str | None] | None) -> list[Completion]:
+        """`generate`'s whole batches."""
         self.tenancy.ensure_awake()
         self._ensure_weights()
         check_prompts(prompts, params.max_new_tokens, self.max_len, "max_position_embeddings")
@@ -234,49 +312,54 @@ class TorchGenerator:
                                       params.max_new_tokens - len(earlier), names[r]))
             new, cache, columns = self._batch(rows, params, rng, stop)
             for k, (index, row, completion) in enumerate(zip(indices, rows, new, strict=True)):
+                extract = None if columns[k] is None else \
+                    (lambda cache=cache, k=k, cols=columns[k]: row_kv(cache, k, cols))
                 out[index] = continued(before[index], replace(
-                    completion, prefix=self._account(names[index], row, completion, cache,
-                                                     k, columns[k])), self.version)
-            del cache
+                    completion, prefix=self._account(names[index], row, completion,
+                                                     extract)), self.version)
+            del cache, extract
         return out  # type: ignore[return-value]
 
-    def _row(self, tokens: list[int], budget: int, session: str | None) -> _Row:
+    def _row(self, tokens: list[int], budget: int, session: str | None) -> BatchRow:
         """A batch row for `tokens`, with its session's cached keys and values when they
         match its start."""
         cached = self.session_kv.get(session) if session is not None else None
         reuse = reusable(tokens, cached.tokens) if cached is not None else 0
-        return _Row(tokens, budget, cached if reuse else None, reuse)
+        return BatchRow(tokens, budget, cached if reuse else None, reuse)
 
-    def _account(self, session: str | None, row: _Row, completion: Completion, cache,
-                 index: int, columns: torch.Tensor | None) -> PrefixCounts:
-        """Row `index` of a finished batch: its prefix counts, and for a session its
-        computed tokens recorded and their keys and values kept (as the bounds allow)."""
-        if columns is None:  # stopped before its batch began: nothing was computed
+    def _account(self, session: str | None, row: BatchRow, completion: Completion,
+                 extract: Callable[[], LayerKV] | None) -> PrefixCounts:
+        """A row that ended: its prefix counts, and for a session its computed tokens
+        recorded and their keys and values (`extract()`) kept, as the bounds allow
+        (`extract` None: stopped before its batch began, nothing was computed)."""
+        if extract is None:
             return PrefixCounts()
         counts = self.ledger.count(session, row.tokens, row.reuse)
         if session is not None:
             kept = computed_tokens(row.tokens, completion.tokens)
             self.ledger.record(session, kept)
-            self.session_kv.put(session, kept, lambda: row_kv(cache, index, columns))
+            self.session_kv.put(session, kept, extract)
         return counts
 
     def end_session(self, session: str) -> None:
         """Forget `session`: its cached keys and values go, and a later row with its name
         starts a new one."""
-        self.session_kv.drop(session)
-        self.ledger.end(session)
+        with self._gate:
+            self.session_kv.drop(session)
+            self.ledger.end(session)
 
     def prefix_counts(self, reset: bool = False) -> PrefixCounts:
         """Every row's `Completion.prefix` summed since the start (`reset`: then start
         again from zero)."""
-        return self.ledger.totals(reset)
+        with self._gate:
+            return self.ledger.totals(reset)
 
     def _new_cache(self):
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
 
-    def _batch(self, rows: Sequence[_Row], params: SamplingParams, rng: torch.Generator,
+    def _batch(self, rows: Sequence[BatchRow], params: SamplingParams, rng: torch.Generator,
                stop: Callable[[], bool] | None
                ) -> tuple[list[Completion], object, list[torch.Tensor | None]]:
         """A completion of each row, of at most its budget's tokens (`versions` left
@@ -315,7 +398,7 @@ class TorchGenerator:
         sampled, logprobs = [], []
         preempted = False
         for step in range(steps):
-            token, logprob = _sample(logits, params, rng)
+            token, logprob = draw(logits, params, rng)
             sampled.append(token)
             logprobs.append(logprob)
             done |= torch.isin(token, stops) | (budget <= step + 1)
@@ -342,23 +425,6 @@ class TorchGenerator:
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
-
-
-def _sample(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A token per row and its log-probability under the sampling distribution."""
-    if params.greedy:
-        token = logits.argmax(-1)
-        return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
-    logprobs = (logits / params.temperature).log_softmax(-1)
-    if params.top_p < 1:
-        sorted_lp, order = logprobs.sort(-1, descending=True)
-        before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # mass above each token
-        sorted_lp = sorted_lp.masked_fill(before >= params.top_p, float("-inf"))
-        logprobs = torch.full_like(logprobs, float("-inf")).scatter(-1, order, sorted_lp)
-        logprobs = logprobs.log_softmax(-1)
-    token = torch.multinomial(logprobs.exp(), 1, generator=rng)[:, 0]
-    return token, logprobs.gather(-1, token[:, None])[:, 0]
 
 
 def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, budgets: Sequence[int],

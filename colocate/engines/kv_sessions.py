@@ -99,6 +99,18 @@ class SessionKV:
         return session in self._entries
 
 
+@dataclass
+class BatchRow:
+    """A row to generate: the tokens to prefill (prompt, and a continued completion's tokens
+    so far), the most it may sample, and its first `reuse` tokens' keys and values from
+    the session cache."""
+
+    tokens: list[int]
+    budget: int
+    cached: CachedPrefix | None = None
+    reuse: int = 0
+
+
 def prefilled_cache(cache, prefixes: Sequence[CachedPrefix | None], reuse: Sequence[int],
                     width: int) -> None:
     """Fill the empty `cache` (a `DynamicCache`) with each row's first `reuse[i]` cached

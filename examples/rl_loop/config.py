@@ -234,6 +234,10 @@ class RLConfig:
             raise ValueError("rollout.overlap=true generates beside the training, but "
                              "run.policy=exclusive keeps one tenant awake a slot: use "
                              "run.policy=budget, or drop rollout.overlap")
+        if self.rollout.continuous and self.run.engine != "torch":
+            raise ValueError("rollout.continuous=true needs run.engine=torch: the vLLM "
+                             "engine batches its own requests but its actor takes one call "
+                             "at a time; use rollout.cohorts with vLLM")
         tp = self.generator.tensor_parallel_size
         if self.run.slots % tp:
             raise ValueError(f"generator.tensor_parallel_size={tp} does not divide "

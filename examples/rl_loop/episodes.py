@@ -16,7 +16,12 @@ all their tool calls at once (as many at a time as there are tool workers), so a
 one decoding pass and the slowest of its tool calls, not one of each per episode; and while
 one cohort waits for its tools, another decodes. A cohort's batches are the same for the
 same seed, whatever the tools' timing (each cohort's calls are seeded from its first
-episode's index): the same seed gives the same run. The reward functions get the whole
+episode's index): the same seed gives the same run. With `rollout.continuous` each episode
+runs on its own instead (a cohort of one): a generate call a turn, its tool calls as soon as
+it made them, every call joining the torch generator's running batch (continuous batching:
+`GeneratorActor.generate_continuous`), which keeps the batch full while some episodes wait
+for tools; a row's tokens depend on the row alone there, so it too is the same run for the
+same seed. The reward functions get the whole
 conversation: the messages after the prompt (chat rows), or the transcript's text (text
 rows).
 
@@ -45,8 +50,9 @@ from examples.rl_loop.rollouts import Generate, Rollout, RolloutConfig, Rollouts
 from examples.rl_loop.tool_calls import ParsedTurn, observations
 from examples.rl_loop.transcripts import Episode, Transcript
 
-# the loop's `Runtime.generate_turns`: prompts, params, each row's session, sticky
-GenerateTurns = Callable[[list[list[int]], SamplingParams, list[str], bool],
+# the loop's `Runtime.generate_turns`: prompts, params, each row's session, sticky,
+# continuous (the rows join the generator's running batch)
+GenerateTurns = Callable[[list[list[int]], SamplingParams, list[str], bool, bool],
                          Awaitable[list[Completion]]]
 TURN_SEED = 15_485_863  # turn t of a step samples with the step's seed + t times this
 
@@ -70,8 +76,8 @@ class AgentRollouts(Rollouts):
 
     async def episodes(self, rows: list[Row], params: SamplingParams, copies: int
                        ) -> Rollout:
-        """`copies` episodes per row, run turn by turn to their ends (in cohorts: see
-        module)."""
+        """`copies` episodes per row, run turn by turn to their ends (in cohorts, or each
+        on its own with `rollout.continuous`: see module)."""
         self.calls, self.prefix = self.calls + 1, PrefixCounts()
         episodes = [Episode(row, f"e{self.calls}-{i}")
                     for i, row in enumerate(r for r in rows for _ in range(copies))]
@@ -83,7 +89,7 @@ class AgentRollouts(Rollouts):
         client = self.tools()
         if client is not None:
             client.take_stats()  # this call's counts from here
-        size = max(1, -(-len(episodes) // self.cfg.cohorts))  # each cohort's episodes
+        size = 1 if self.cfg.continuous else max(1, -(-len(episodes) // self.cfg.cohorts))
         await asyncio.gather(*(self._cohort(episodes[first:first + size], params, first)
                                for first in range(0, len(episodes), size)))
         for episode in episodes:
@@ -196,7 +202,7 @@ class AgentRollouts(Rollouts):
                 [asked[i][0].row.tokens + asked[i][0].tokens for i in which],
                 replace(call, max_new_tokens=budget,
                         seed=None if seed is None else seed + which[0]),
-                [asked[i][0].session for i in which], self.sticky)
+                [asked[i][0].session for i in which], self.sticky, self.cfg.continuous)
             for i, completion in zip(which, got, strict=True):
                 out[i] = completion
 

@@ -182,7 +182,7 @@ class EpisodePool(Pool):
         async def rows(most: int, which: list[int]) -> None:
             got = await generate([prompts[i] for i in which],
                                  replace(call, max_new_tokens=most, seed=seed + which[0]),
-                                 [asked[i].session for i in which], self.agent.sticky)
+                                 [asked[i].session for i in which], self.agent.sticky, False)
             figures["slots"] += decode_slots([len(c.tokens) for c in got], self.max_batch)
             figures["calls"] += 1
             for i, completion in zip(which, got, strict=True):

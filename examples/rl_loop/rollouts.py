@@ -52,6 +52,8 @@ class RolloutConfig:
     bad_call_reward: float = 0.0  # tools: the reward of an episode with a call that won't parse
     cohorts: int = 1  # tools/env, sync: a step's episodes in this many cohorts, each turn by
     # turn; one decodes while another waits for its tools (1: all in lockstep)
+    continuous: bool = False  # tools/env, sync, torch engine: each episode on its own, a call
+    # a turn joining the generator's running batch (continuous batching; cohorts=1)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -75,6 +77,10 @@ class RolloutConfig:
             raise ValueError(f"rollout.cohorts={self.cohorts} with rollout.mode=partial: a "
                              "partial round runs every episode's turns together; use "
                              "rollout.cohorts=1 there")
+        if self.continuous and (self.cohorts > 1 or self.partial):
+            raise ValueError("rollout.continuous=true runs each episode on its own (its "
+                             "calls join the generator's running batch): it takes "
+                             "rollout.cohorts=1 and rollout.mode=sync")
         if self.overlap and not self.partial:
             raise ValueError("rollout.overlap=true continues carried samples while a step "
                              "trains: it needs rollout.mode=partial")

@@ -249,12 +249,15 @@ class Runtime:
         return [c for part in parts for c in part]
 
     async def generate_turns(self, tokens: list[list[int]], params: SamplingParams,
-                             sessions: list[str], sticky: bool = True) -> list:
+                             sessions: list[str], sticky: bool = True,
+                             continuous: bool = False) -> list:
         """A completion of each prompt, the next turn of the episode `sessions[i]` names:
         with `sticky`, each episode's turns on one replica (its session's, which may keep
         its KV prefix between turns: `generator.session_cache_mb`), the rows of a replica in
         one call; else each call's rows dealt to the replicas in turn, one further on each
-        call (round robin: a benchmark's comparison). Seeded per row position."""
+        call (round robin: a benchmark's comparison). Seeded per row position. With
+        `continuous` (the torch engine) the calls join their replica's running batch
+        (`generate_continuous`) instead of being batches of their own."""
         replicas = max(1, len(self.generator.replicas))
         self.turn_calls += 1
         home = [zlib.crc32(session.encode()) % replicas if sticky
@@ -263,8 +266,10 @@ class Runtime:
 
         async def on(replica: int) -> None:
             rows = [i for i, h in enumerate(home) if h == replica]
+            endpoint = self.generator.generate_continuous if continuous \
+                else self.generator.generate
             async with self.generator.session(id=f"episodes-{replica}"):  # one replica's
-                got = await self.generator.generate.route(
+                got = await endpoint.route(
                     [tokens[i] for i in rows], self._seeded(params, rows[0]), None,
                     [sessions[i] for i in rows])
             for i, completion in zip(rows, got, strict=True):
