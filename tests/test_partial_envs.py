@@ -135,7 +135,7 @@ class Guesses:
     def __init__(self, tokenizer) -> None:
         self.turn = tokenizer("10", add_special_tokens=False).input_ids + [EOS]
 
-    async def generate(self, prompts, params, sessions, sticky):
+    async def generate(self, prompts, params, sessions, sticky, continuous=False):
         return [Completion(self.turn, [-0.5] * len(self.turn), stopped=True) for _ in prompts]
 
 

@@ -65,7 +65,8 @@ class Policy:
         self.transcripts = transcripts
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
-                       sessions: list[str], sticky: bool) -> list[Completion]:
+                       sessions: list[str], sticky: bool, continuous: bool = False
+                       ) -> list[Completion]:
         out = []
         for prompt in prompts:
             [whole] = [t for t in self.transcripts.values() if t[:len(prompt)] == prompt]
