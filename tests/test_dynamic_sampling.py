@@ -147,7 +147,8 @@ class Script:
     def __init__(self, tokenizer, turns: dict[str, list[str]]) -> None:
         self.tokenizer, self.turns = tokenizer, turns
 
-    async def generate(self, prompts, params, sessions=None, sticky=None) -> list[Completion]:
+    async def generate(self, prompts, params, sessions=None, sticky=None,
+                       continuous=False) -> list[Completion]:
         out = []
         for prompt in prompts:
             text = self.tokenizer.decode(prompt, skip_special_tokens=False)
