@@ -17,7 +17,8 @@ share them: a Monarch proc has about 12 threads, so on a 1-core machine set
 One thread per actor (not per process), so actors sharing a proc run side by side as
 they do on Monarch's threads, and ranks of different actors cannot wait on each other's
 collectives. The thread is a daemon: a call that hangs does not keep the proc from
-exiting.
+exiting. `threads` sets torch's intra-op threads for this thread alone (OpenMP keeps the
+count per thread; the process's other threads keep theirs).
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ class ComputeThread:
     raises what the call raised), `submit` queues one and returns its future; both carry
     the caller's current CUDA device over."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, threads: int | None = None) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=_serve, args=(self._jobs,), name=name,
+        self.thread = threading.Thread(target=_serve, args=(self._jobs, threads), name=name,
                                        daemon=True)
         self.thread.start()
         weakref.finalize(self, self._jobs.put, None)  # the thread ends with its owner
@@ -68,7 +69,9 @@ def _on_device(device: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> 
     return fn(*args, **kwargs)
 
 
-def _serve(jobs: queue.SimpleQueue[_Job | None]) -> None:
+def _serve(jobs: queue.SimpleQueue[_Job | None], threads: int | None) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)
     while (job := jobs.get()) is not None:
         future, fn, args, kwargs = job
         try:

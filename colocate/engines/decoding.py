@@ -18,7 +18,8 @@ depend on the row alone, never on its companions or its slot, so
   column 0 and an additive mask over the rest: the shapes never change, and at a fixed
   shape a row's matmuls and attention are bitwise independent of the other rows (checked
   on CPU, torch 2.13; a varying row count or key width is not: the kernels block
-  differently).
+  differently), with one intra-op thread on CPU (with two, a row's log-probabilities
+  differed in the last bit with its companions on an AMD EPYC, not on another machine).
 The price of that: every step computes `slots` rows and attends over `length` columns,
 however few rows run and however short they are.
 
@@ -150,7 +151,9 @@ class ContinuousBatcher:
                  done: Callable[[Request], None]) -> None:
         self.model, self.slots, self.length, self.device = model, slots, length, device
         self.gate, self.prepare, self.account, self.done = gate, prepare, account, done
-        self.thread = ComputeThread(name)
+        # one intra-op thread on CPU: with two, a row's log-probabilities differed in the
+        # last bit with its companions (AMD EPYC, torch 2.13; tokens equal), one is bitwise
+        self.thread = ComputeThread(name, threads=1 if device.type == "cpu" else None)
         self.pending: list[Request] = []  # added, not yet seen by the loop (under gate)
         self.driving = False  # whether the loop runs (under gate)
         self.waiting: deque[tuple[Request, int]] = deque()  # rows not yet joined
