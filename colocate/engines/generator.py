@@ -4,8 +4,9 @@ Its memory is one stage of one tenant, "weights" (kept across sleeps). With
 `keep_weights=False` they are discarded at a sleep, for a generator whose every wake
 comes with new weights (an RL loop's sync): its sleep saves nothing and its wake restores
 nothing, and until new weights are loaded it refuses to generate. The KV cache goes
-through transformers' cache API (a `DynamicCache` per batch): it lives for one batch, and
-what the allocator keeps of it goes back at the next sleep (`memory.release_cached`).
+through transformers' cache API (a `DynamicCache` per batch, `whole_batch`): it lives for
+one batch, and what the allocator keeps of it goes back at the next sleep
+(`memory.release_cached`).
 
 Prompts are token ids, left-padded into batches of up to `max_batch` rows; every row
 samples with temperature and top-p until a stop token or `max_new_tokens`, and gets each
@@ -44,14 +45,12 @@ import torch
 
 from colocate.arbiter.tenant import TaggedTenant
 from colocate.engines.decoding import ContinuousBatcher, Request, queued_rows
-from colocate.engines.draw import draw
 from colocate.engines.generating import check_prompts
 from colocate.engines.kv_sessions import (
     BatchRow,
     LayerKV,
     SessionKV,
     plain_layers,
-    prefilled_cache,
     row_kv,
 )
 from colocate.engines.sampling import (
@@ -64,6 +63,7 @@ from colocate.engines.sampling import (
 from colocate.engines.sessions import SessionLedger, check_sessions, computed_tokens, reusable
 from colocate.engines.weight_copy import copy_weights
 from colocate.engines.weights import WeightStream, published
+from colocate.engines.whole_batch import decode_batch
 
 STAGES = {"weights": True}  # stage -> kept across a sleep
 
@@ -310,7 +310,7 @@ class TorchGenerator:
                 earlier = before[r].tokens if before[r] else []  # type: ignore[union-attr]
                 rows.append(self._row(list(prompts[r]) + earlier,
                                       params.max_new_tokens - len(earlier), names[r]))
-            new, cache, columns = self._batch(rows, params, rng, stop)
+            new, cache, columns = decode_batch(self.model, rows, params, rng, stop)
             for k, (index, row, completion) in enumerate(zip(indices, rows, new, strict=True)):
                 extract = None if columns[k] is None else \
                     (lambda cache=cache, k=k, cols=columns[k]: row_kv(cache, k, cols))
@@ -353,92 +353,3 @@ class TorchGenerator:
         again from zero)."""
         with self._gate:
             return self.ledger.totals(reset)
-
-    def _new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
-
-    def _batch(self, rows: Sequence[BatchRow], params: SamplingParams, rng: torch.Generator,
-               stop: Callable[[], bool] | None
-               ) -> tuple[list[Completion], object, list[torch.Tensor | None]]:
-        """A completion of each row, of at most its budget's tokens (`versions` left
-        empty), unfinished where `stop` said so first; the batch's cache, and per row the
-        cache's columns that hold its computed tokens (None: not computed, the call was
-        stopped first).
-
-        Columns: each row's reused prefix right-aligned in the first `width` (the longest
-        reused), its new tokens right-aligned in the next `span`, then one a decoding
-        step; the mask leaves out the gaps, and positions count the unmasked columns."""
-        if stop is not None and stop():
-            return [Completion([], finished=False) for _ in rows], None, [None] * len(rows)
-        news = [row.tokens[row.reuse:] for row in rows]
-        b, width, span = len(rows), max(row.reuse for row in rows), max(len(n) for n in news)
-        steps = max(row.budget for row in rows)
-        tokens = torch.zeros(b, span, dtype=torch.long, device=self.device)
-        mask = torch.zeros(b, width + span + steps, dtype=torch.long, device=self.device)
-        for i, (row, new) in enumerate(zip(rows, news, strict=True)):  # left padding
-            tokens[i, span - len(new):] = torch.tensor(new, device=self.device)
-            mask[i, width - row.reuse:width] = 1
-            mask[i, width + span - len(new):width + span] = 1
-        start = width + span
-        positions = (mask[:, :start].cumsum(-1) - 1).clamp(min=0)[:, width:]
-        cache = self._new_cache()
-        if width:
-            prefilled_cache(cache, [row.cached for row in rows], [row.reuse for row in rows],
-                            width)
-        for row in rows:
-            row.cached = None  # copied: the session cache may let it go (and its memory)
-        logits = self._logits(tokens, mask[:, :start], positions, cache)
-        position = positions[:, -1:]
-        stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
-        budget = torch.tensor([row.budget for row in rows], dtype=torch.long,
-                              device=self.device)
-        done = torch.zeros(b, dtype=torch.bool, device=self.device)
-        sampled, logprobs = [], []
-        preempted = False
-        for step in range(steps):
-            token, logprob = draw(logits, params, rng)
-            sampled.append(token)
-            logprobs.append(logprob)
-            done |= torch.isin(token, stops) | (budget <= step + 1)
-            if done.all() or step == steps - 1:
-                break
-            if stop is not None and stop():
-                preempted = True
-                break
-            mask[:, start + step] = 1
-            position = position + 1
-            logits = self._logits(token[:, None], mask[:, :start + step + 1], position, cache)
-        completions = _completions(torch.stack(sampled, 1), torch.stack(logprobs, 1),
-                                   [row.budget for row in rows], params, preempted)
-        columns = [mask[i, :start].nonzero()[:, 0] for i in range(b)]
-        columns = [torch.cat([cols, torch.arange(start, start + max(0, len(c.tokens) - 1),
-                                                 device=self.device)])
-                   for cols, c in zip(columns, completions, strict=True)]
-        return completions, cache, columns
-
-    def _logits(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                cache) -> torch.Tensor:
-        """The next-token logits [B, V] after `tokens`, their keys and values added to
-        `cache`; `mask` covers everything attended so far."""
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1].float()
-
-
-def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, budgets: Sequence[int],
-                 params: SamplingParams, preempted: bool) -> list[Completion]:
-    """Each row cut after its first stop token or at its budget; after a preemption, a row
-    that reached neither is unfinished."""
-    out = []
-    stops = set(params.stop_token_ids)
-    for row_tokens, row_logprobs, budget in zip(tokens.tolist(), logprobs.tolist(), budgets,
-                                                strict=True):
-        row_tokens, row_logprobs = row_tokens[:budget], row_logprobs[:budget]
-        end = next((i + 1 for i, t in enumerate(row_tokens) if t in stops), None)
-        cut = end or len(row_tokens)
-        finished = end is not None or cut == budget or not preempted
-        out.append(Completion(row_tokens[:cut], row_logprobs[:cut], stopped=end is not None,
-                              finished=finished))
-    return out
