@@ -33,6 +33,7 @@ async def test_the_tool_task_learns_to_call_its_calculator(tmp_path: Path):
     calls = [s["episode_tool_calls_mean"] for s in steps]
     assert calls[0] < 0.5 < calls[-1]  # it calls more as it learns that calling pays
     assert sum(s["tools/calls"] for s in steps) > 0
-    # the trained policy's calls work: a rare one written badly (1 of ~128 in the last
-    # step on an AMD EPYC, whose numerics train another run) is an observation, not a fault
+    # the trained policy's calls work: a rare one whose arguments make the calculator raise
+    # (1 of 127 in the last step on an AMD EPYC, whose numerics train another run) is an
+    # error observation the model learns from, not a fault of the tool service
     assert steps[-1]["tools/errors"] <= 0.02 * steps[-1]["tools/calls"]
