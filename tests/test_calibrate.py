@@ -1,34 +1,49 @@
-"""The switch calibration's fit (examples/rl_loop/calibrate.py): a way's fixed cost and byte
-scale from runs that move few bytes and many, and what the rates then predict."""
+"""The switch calibration's fit (examples/rl_loop/calibrate.py): a way's fixed cost, cost per
+tensor and byte scale from runs that vary tensors and bytes apart, and what the rates then
+predict."""
 
 from __future__ import annotations
 
 import pytest
 
 from colocate.planning import Rates
-from examples.rl_loop.calibrate import fit_line
+from examples.rl_loop.calibrate import fit_switch
 
 
-def test_a_line_through_runs_gives_the_fixed_cost_and_the_byte_scale():
-    # a switch that costs 12 ms plus twice its bytes' time at the raw rates, with noise
-    points = [(0.001, 0.0141), (0.010, 0.0322), (0.030, 0.0718), (0.002, 0.0158)]
-    fixed, scale = fit_line(points)
-    assert fixed == pytest.approx(0.012, abs=0.0005)
-    assert scale == pytest.approx(2.0, abs=0.05)
-    # a way that moves nothing: no scale to fit, its fixed cost the median time
-    assert fit_line([(0.0, 0.0004), (0.0, 0.0005), (0.0, 0.0009)]) == (0.0005, 1.0)
+def test_a_fit_through_runs_gives_the_fixed_cost_the_cost_per_tensor_and_the_byte_scale():
+    # a switch that costs 12 ms, 50 us a tensor and twice its bytes' time, with 1% noise
+    def took(moved: float, tensors: int, noise: float) -> tuple[float, int, float]:
+        return moved, tensors, (0.012 + 50e-6 * tensors + 2.0 * moved) * (1 + noise)
+
+    points = [took(0.001, 100, 0.01), took(0.002, 200, -0.01), took(0.030, 200, 0.005),
+              took(0.010, 200, -0.005)]
+    fixed, per_tensor, scale = fit_switch(points)
+    assert fixed == pytest.approx(0.012, rel=0.1)
+    assert per_tensor == pytest.approx(50e-6, rel=0.1)
+    assert scale == pytest.approx(2.0, rel=0.05)
+    # the tensors alone would read as bytes: sizes that differ in both cannot tell them
+    # apart, and then the whole slope goes to one term, never negative to the other
+    assert min(fit_switch([took(0.001, 100, 0), took(0.01, 200, 0)])) >= 0
+
+
+def test_a_way_that_moves_nothing_has_its_fixed_cost_alone():
+    fixed, per_tensor, scale = fit_switch([(0.0, 0, 0.0004), (0.0, 0, 0.0005), (0.0, 0, 0.0006)])
+    assert (per_tensor, scale) == (0.0, 1.0)
+    assert 0.0004 < fixed < 0.0006
     # never below 0: a noisy line that would cross 0 is held there
-    assert fit_line([(0.001, 0.0001), (0.010, 0.0300)])[0] == 0.0
+    assert fit_switch([(0.001, 10, 0.0001), (0.010, 10, 0.0300)])[0] == 0.0
 
 
 def test_the_rates_price_a_switch_with_its_ways_fit():
     rates = Rates(device="cpu", backup_out=1e9, backup_in=1e9, drop=1e12, refill=1e12,
                   in_slot=1e9, fixed_s={"wake": 0.01}, fixed_per_slot_s={"wake": 0.002},
                   byte_scale={"wake": 2.0}, byte_scale_per_slot={"wake": 0.5},
+                  per_tensor_s={"wake": 1e-4}, per_tensor_per_slot_s={"wake": 1e-5},
                   disk_out=5e8, disk_in=5e8)
-    # 10 ms of bytes to host memory and back, 2 ms to disk
+    # 10 ms of bytes to host memory and back, 2 ms to disk, 10 tensors
     assert rates.seconds("wake", copied_out=5_000_000, copied_in=5_000_000,
-                         to_disk=1_000_000) == pytest.approx(0.01 + 2.0 * 0.012)
-    assert rates.seconds("wake", copied_out=10_000_000, slots=3) == pytest.approx(
-        0.01 + 2 * 0.002 + (2.0 + 2 * 0.5) * 0.01)
+                         to_disk=1_000_000, tensors=10) == pytest.approx(
+        0.01 + 10 * 1e-4 + 2.0 * 0.012)
+    assert rates.seconds("wake", copied_out=10_000_000, slots=3, tensors=10) == \
+        pytest.approx(0.01 + 2 * 0.002 + 10 * (1e-4 + 2 * 1e-5) + (2.0 + 2 * 0.5) * 0.01)
     assert rates.seconds("in_place", in_slot=1_000_000) == pytest.approx(0.001)  # unfitted

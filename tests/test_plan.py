@@ -4,6 +4,7 @@ and a short run's summary holds its figures against the plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -55,6 +56,11 @@ def test_the_plans_stage_sizes_are_the_real_tenants(tmp_path):
             assert abs(real.size(stage) - nbytes) <= 0.001 * nbytes, (name, stage)
             assert kept == (stage in real.kept)
         assert spec.working_bytes == real.working_bytes
+    params = list(trainer.model.parameters())
+    real_tensors = {"weights": len(params), "grads": sum(p.grad is not None for p in params),
+                    "optimizer": sum(len(state) for state in trainer.optimizer.state.values())}
+    assert dict(planned["trainer"].tensors) == real_tensors
+    assert dict(planned["generator"].tensors) == {"weights": len(params)}
 
 
 def test_plan_starts_nothing_and_writes_its_json(tmp_path, rates_file, monkeypatch, capsys):
@@ -109,6 +115,27 @@ def test_a_plan_that_does_not_fit_names_why():
     roomy = forecast_slot([trainer, generator], step, 10_000, start=start)
     assert roomy.moved_per_step() == 0
     assert [s.way for s in roomy.step] == ["none", "none", "in_place"]
+
+
+def test_a_switch_counts_the_tensors_it_handles_and_the_plan_prices_them():
+    trainer = TenantSpec("trainer", {"weights": (100, True), "optimizer": (200, True),
+                                     "grads": (100, False)},
+                         tensors={"weights": 10, "optimizer": 30, "grads": 10})
+    generator = TenantSpec("generator", {"weights": (100, False)}, working_bytes=50,
+                           tensors={"weights": 10})
+    step = [Wake("generator"), Wake("trainer"), Sync("trainer", "generator")]
+    start = [Sync("trainer", "generator")]
+    tight = forecast_slot([trainer, generator], step, 400, start=start)
+    # the trainer's wake: the generator's weights dropped, the trainer's weights and grads
+    # back; the sync: the trainer's grads and weights out, the generator's weights in and
+    # written by the copy (its 10 tensors once more)
+    assert [s.tensors for s in tight.step] == [0, 30, 40]
+    roomy = forecast_slot([trainer, generator], step, 10_000, start=start)
+    assert [s.tensors for s in roomy.step] == [0, 0, 10]  # the in-place copy's
+    rates = dataclasses.replace(RATES, per_tensor_s={"in_place": 1e-3})
+    plan = plan_run([[trainer, generator]], step, 10_000, rates, start=start)
+    assert plan.figures()["sync_s_per_step"] == pytest.approx(
+        RATES.seconds("in_place", in_slot=100) + 10 * 1e-3)
 
 
 def test_a_plan_for_a_bigger_machine_is_not_bound_by_this_ones_memory():

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from colocate import memory
 from colocate.arbiter import room
@@ -43,11 +43,13 @@ UNMEASURED = 1 << 62
 @dataclass(frozen=True)
 class TenantSpec:
     """One tenant on one slot: stage -> (bytes, kept across a sleep: copied to host memory
-    and back; else dropped), in wake order, and the working memory its calls take."""
+    and back; else dropped), in wake order, the working memory its calls take, and stage ->
+    how many tensors it is (each costs a switch a little of its own; absent: 0)."""
 
     name: str
     stages: Mapping[str, tuple[int, bool]]
     working_bytes: int = 0
+    tensors: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -89,6 +91,7 @@ class Moved:
     nbytes: int
     copied: bool  # to (or from) its backup; else dropped (or refilled empty)
     place: str = memory.HOST  # a copied stage's backup: host memory, or disk
+    tensors: int = 0
 
 
 @dataclass
@@ -96,10 +99,10 @@ class Switch:
     """One turn's switch on the slot: how it goes (`way`: "none", nothing to do;
     "arbiter", the arbiter's plans; "in_place", the sync's copy alone), the stages that
     slept and woke, the bytes copied to host memory and back, dropped, and copied within
-    the slot (a sync's weights), what the slot held after it with the awake tenant's
-    working memory (counted as the arbiter counts its peak: after its measured wakes and
-    handoffs; else 0), and the most host copies held during it (its sleeps copy out
-    before its wakes copy back)."""
+    the slot (a sync's weights, and their tensors), what the slot held after it with the
+    awake tenant's working memory (counted as the arbiter counts its peak: after its
+    measured wakes and handoffs; else 0), and the most host copies held during it (its
+    sleeps copy out before its wakes copy back)."""
 
     turn: str
     way: str
@@ -108,6 +111,12 @@ class Switch:
     in_slot_bytes: int = 0
     peak_bytes: int = 0
     backup_bytes: int = 0
+    in_slot_tensors: int = 0
+
+    @property
+    def tensors(self) -> int:
+        """The tensors the switch handles: each stage's that slept or woke, and the sync's."""
+        return sum(m.tensors for m in self.slept + self.woken) + self.in_slot_tensors
 
     @property
     def copied_out(self) -> int:
@@ -180,7 +189,7 @@ class _Counted:
             place = (places or {}).get(stage, memory.HOST)
             self.places[stage] = place
             self.log.append(Moved(self.name, stage, nbytes, kept and place != memory.DROP,
-                                  place))
+                                  place, self.spec.tensors.get(stage, 0)))
         self.awake = [s for s in self.awake if s not in going]
         return sum(self.spec.stages[s][0] for s in going)
 
@@ -190,7 +199,8 @@ class _Counted:
                 nbytes, kept = self.spec.stages[stage]
                 place = self.places.pop(stage, memory.HOST)
                 self.log.append(Moved(self.name, stage, -nbytes,  # negative: woken
-                                      kept and place != memory.DROP, place))
+                                      kept and place != memory.DROP, place,
+                                      self.spec.tensors.get(stage, 0)))
                 self.awake.append(stage)
         self.awake = [s for s in self.spec.stages if s in self.awake]
 
@@ -245,9 +255,9 @@ class _Simulation:
                 and set(slot.awake.get(target, ())) >= set(slot.infos[target].stages) \
                 and set(slot.awake.get(source, ())) >= set(turn.keep):
             copied = await self.tenants[target].receive(source)  # Handoffs: in place
-            return self._switch(turn.label(), "in_place", copied, None)
+            return self._switch(turn.label(), "in_place", copied, None, target)
         copied = await arbiter.handoff(source, target, [0], turn.keep, turn.first)
-        return self._switch(turn.label(), "arbiter", copied, target)
+        return self._switch(turn.label(), "arbiter", copied, target, target)
 
     async def _wake(self, label: str, names: list[str]) -> Switch:
         """Wake `names[0]` (none: a tenant on other slots, nothing to do here)."""
@@ -263,12 +273,15 @@ class _Simulation:
         await arbiter.wake(name)
         return self._switch(label, "arbiter", 0, name)
 
-    def _switch(self, label: str, way: str, copied: int, holder: str | None) -> Switch:
+    def _switch(self, label: str, way: str, copied: int, holder: str | None,
+                synced: str | None = None) -> Switch:
+        """The switch just made; `synced`: the tenant whose weights a sync copied."""
         slept = [m for m in self.log if m.nbytes >= 0]
-        woken = [Moved(m.tenant, m.stage, -m.nbytes, m.copied, m.place) for m in self.log
-                 if m.nbytes < 0]
+        woken = [replace(m, nbytes=-m.nbytes) for m in self.log if m.nbytes < 0]
         self.log.clear()
-        found = Switch(label, way, slept, woken, copied)
+        tensors = self.tenants[synced].spec.tensors.get("weights", 0) if synced and copied \
+            else 0
+        found = Switch(label, way, slept, woken, copied, in_slot_tensors=tensors)
         # host copies held: its sleeps copy out first
         out, back = found.copied_out - found.to_disk, found.copied_in - found.from_disk
         found.backup_bytes = self.backup + out

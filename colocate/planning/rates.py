@@ -8,14 +8,16 @@ a host short of memory for backups puts them) and without (a drop, and its refil
 wake), and a copy
 within the slot (a sync's weights copied in place); and the raw copies between host and
 slot memory, pinned and not (on CPU slots, which are host memory, a memcpy). A switch also
-has a fixed cost per way (its messages, the release checks, the view's bookkeeping), and its
-bytes cost more than a lone copy's, which the caller measures on its own runtime and adds
+has a fixed cost per way (its messages, the release checks, the view's bookkeeping), a cost
+per tensor it handles (each is paused, repointed or copied on its own), and its bytes cost
+more than a lone copy's, which the caller measures on its own runtime and adds
 (`Rates.fixed_s`: "wake" and "sync" through the arbiter, "in_place" for a sync's copy alone,
-"none" for a wake with nothing to do; 0 until measured; `byte_scale`, the bytes' time over
-the rates' own, 1 until measured; `fixed_per_slot_s` and `byte_scale_per_slot`, what each
-further slot of a host adds, since one arbiter a host carries out every slot's switch and
-the slots share the host's memory), and so is the peak memory of the process that drives a
-run (`process_bytes`), part of the host's.
+"none" for a wake with nothing to do; 0 until measured; `per_tensor_s`, 0 until measured;
+`byte_scale`, the bytes' time over the rates' own, 1 until measured; `fixed_per_slot_s`,
+`per_tensor_per_slot_s` and `byte_scale_per_slot`, what each further slot of a host adds,
+since one arbiter a host carries out every slot's switch and the slots share the host's
+memory), and so is the peak memory of the process that drives a run (`process_bytes`), part
+of the host's.
 
 `load_rates(path)` reads a file written by `save`; `cached_rates(device)` reads this
 machine's (`default_path`) or calibrates and writes it.
@@ -65,37 +67,49 @@ class Rates:
     # measured), and what each further slot of the host adds to it (they share its memory)
     byte_scale: dict[str, float] = field(default_factory=dict)
     byte_scale_per_slot: dict[str, float] = field(default_factory=dict)
+    # way -> the seconds each tensor a switch handles adds, and what a further slot adds
+    per_tensor_s: dict[str, float] = field(default_factory=dict)
+    per_tensor_per_slot_s: dict[str, float] = field(default_factory=dict)
     process_bytes: int = 0  # the driving process's peak memory, as its caller measured it
     host: str = ""  # the machine measured
     measured_at: str = ""
 
     def seconds(self, way: str, copied_out: int = 0, copied_in: int = 0, discarded: int = 0,
                 refilled: int = 0, in_slot: int = 0, slots: int = 1, to_disk: int = 0,
-                from_disk: int = 0) -> float:
+                from_disk: int = 0, tensors: int = 0) -> float:
         """A switch's predicted time on a host of `slots` slots switching together: its
-        way's fixed cost, and each byte of one slot at its rate (`copied_out`/`copied_in`:
-        to host memory and back; `to_disk`/`from_disk`: to disk and back) times the way's
-        byte scale."""
-        scale = self.byte_scale.get(way, 1.0) \
-            + (slots - 1) * self.byte_scale_per_slot.get(way, 0.0)
-        return (self.fixed_s.get(way, 0.0)
-                + (slots - 1) * self.fixed_per_slot_s.get(way, 0.0)
+        way's fixed cost, its cost per tensor of one slot (`tensors`), and each byte of one
+        slot at its rate (`copied_out`/`copied_in`: to host memory and back;
+        `to_disk`/`from_disk`: to disk and back) times the way's byte scale."""
+        more = slots - 1
+        scale = self.byte_scale.get(way, 1.0) + more * self.byte_scale_per_slot.get(way, 0.0)
+        per_tensor = self.per_tensor_s.get(way, 0.0) \
+            + more * self.per_tensor_per_slot_s.get(way, 0.0)
+        return (self.fixed_s.get(way, 0.0) + more * self.fixed_per_slot_s.get(way, 0.0)
+                + per_tensor * tensors
                 + scale * (copied_out / self.backup_out
                            + copied_in / self.backup_in + discarded / self.drop
                            + refilled / self.refill + in_slot / self.in_slot
                            + to_disk / (self.disk_out or self.backup_out)
                            + from_disk / (self.disk_in or self.backup_in)))
 
-    def with_fixed(self, fixed_s: dict[str, float], fixed_per_slot_s: dict[str, float],
-                   process_bytes: int, byte_scale: dict[str, float] | None = None,
-                   byte_scale_per_slot: dict[str, float] | None = None) -> Rates:
-        """These rates with the fixed costs and byte scales measured (other ways kept) and
+    def with_switch_costs(self, one_slot: dict[str, tuple[float, float, float]],
+                          per_slot: dict[str, tuple[float, float, float]],
+                          process_bytes: int) -> Rates:
+        """These rates with each way's measured (fixed seconds, seconds per tensor, byte
+        scale) on one slot and what each further slot adds to them (other ways kept), and
         `process_bytes`."""
+        def merged(old: dict[str, float], fits: dict[str, tuple[float, float, float]],
+                   index: int) -> dict[str, float]:
+            return {**old, **{way: fit[index] for way, fit in fits.items()}}
+
         return dataclasses.replace(
-            self, fixed_s={**self.fixed_s, **fixed_s},
-            fixed_per_slot_s={**self.fixed_per_slot_s, **fixed_per_slot_s},
-            byte_scale={**self.byte_scale, **(byte_scale or {})},
-            byte_scale_per_slot={**self.byte_scale_per_slot, **(byte_scale_per_slot or {})},
+            self, fixed_s=merged(self.fixed_s, one_slot, 0),
+            per_tensor_s=merged(self.per_tensor_s, one_slot, 1),
+            byte_scale=merged(self.byte_scale, one_slot, 2),
+            fixed_per_slot_s=merged(self.fixed_per_slot_s, per_slot, 0),
+            per_tensor_per_slot_s=merged(self.per_tensor_per_slot_s, per_slot, 1),
+            byte_scale_per_slot=merged(self.byte_scale_per_slot, per_slot, 2),
             process_bytes=process_bytes)
 
     def save(self, path: Path) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +49,12 @@ STAGES = {
 
 @dataclass(frozen=True)
 class Size:
-    """One tenant's estimated memory: stage -> (bytes, kept across a sleep), and the
-    working memory its calls take beside them."""
+    """One tenant's estimated memory: stage -> (bytes, kept across a sleep), the working
+    memory its calls take beside them, and stage -> its number of tensors."""
 
     stages: dict[str, tuple[int, bool]]
     working: int = 0
+    tensors: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -78,16 +79,20 @@ def tenant_sizes(cfg: RLConfig, model: Path | transformers.PretrainedConfig,
     sizes = {t: {s: (units * mine, kept) for s, (units, kept) in STAGES[t].items()}
              for t in tenants}
     sizes["trainer"]["optimizer"] = (2 * mine + 4 * len(params), True)
+    # a tensor per parameter in each stage; AdamW's state is three (two moments, a step)
+    tensors = {t: {s: len(params) for s in stages} for t, stages in sizes.items()}
+    tensors["trainer"]["optimizer"] = 3 * len(params)
     shape = (config.to_dict(), cfg.generator.max_batch, config.max_position_embeddings)
     if cfg.run.engine == "vllm":  # its weights kept across a sleep, its KV cache a stage
         tp = cfg.generator.tensor_parallel_size if slots > 1 else 1
         block = cfg.generator.block_size or KV_BLOCK_TOKENS  # as the engine sizes it
         sizes["generator"] = {"weights": (whole // tp, True),
                               "kv_cache": (kv_cache_bytes(*shape, block), False)}
-        return {t: Size(stages) for t, stages in sizes.items()}
+        tensors["generator"]["kv_cache"] = config.num_hidden_layers
+        return {t: Size(stages, 0, tensors[t]) for t, stages in sizes.items()}
     sizes["generator"]["weights"] = (whole, False)
     working = {"generator": working_bytes(*shape) + (cfg.generator.session_cache_mb << 20)}
-    return {t: Size(stages, working.get(t, 0)) for t, stages in sizes.items()}
+    return {t: Size(stages, working.get(t, 0), tensors[t]) for t, stages in sizes.items()}
 
 
 def shard_bytes(param: torch.Tensor, rank: int, world: int) -> int:

@@ -1,27 +1,30 @@
 """`python -m examples.rl_loop --calibrate`: what a switch costs on this machine beyond the
 memory layer's raw rates, and how much memory the loop's process takes, measured on short
 runs of the loop and kept in the rates file (`colocate.planning.Rates`: `fixed_s`,
-`byte_scale` and their per-slot growth, `process_bytes`).
+`per_tensor_s`, `byte_scale` and their per-slot growth, `process_bytes`).
 
-A switch's time is a fixed cost per way (its messages, the release checks, the view's
-bookkeeping) plus its bytes, which in a real switch cost more than a lone copy of one
-64 MiB tag does (many tensors, pages faulted in again, the slots' procs sharing the
-machine's memory bandwidth). So each way is fitted as `fixed + scale x (its bytes' time at
-the calibrated rates)`, a line through runs that move few bytes and many: the loop at two
-model sizes (`SIZES`), each with slots ample (every wake has nothing to do, the sync is an
-in-place copy: "none" and "in_place"), exclusive (every switch goes through the arbiter
-and copies whole tenants out and back: "wake" and "sync") and, at the default size, tight
-(`run.slot_memory=auto`: the budget policy's handoffs, through the arbiter too), on 1 slot
-and on 2. Each run is a point: its median step's switch time beside its bytes' time, from
-the third step on. What a second slot adds to the fixed cost and to the scale (one
-arbiter a host carries out every slot's switch, and their copies share the memory) is the
-difference between the 2-slot fit and the 1-slot one. The process's peak is the largest of
-the 1-slot runs'.
+A switch's time is a fixed cost per way (its messages, the release checks), a cost per
+tensor it handles (each is paused, repointed or copied on its own), and its bytes, which in
+a real switch cost more than a lone copy of one 64 MiB tag does (pages faulted in again,
+the slots' procs sharing the machine's memory bandwidth). So each way is fitted as `fixed +
+per_tensor x tensors + scale x (its bytes' time at the calibrated rates)`, through runs of
+the loop at model sizes that vary the tensors and the bytes apart (`SIZES`: twice the
+layers at one width, then one layer count at two widths), each with slots ample (every
+wake has nothing to do, the sync is an in-place copy: "none" and "in_place"), exclusive
+(every switch goes through the arbiter and copies whole tenants out and back: "wake" and
+"sync") and, at the default size, tight (`run.slot_memory=auto`: the budget policy's
+handoffs, through the arbiter too), on 1 slot and on 2. Each run is a point: its median
+step's switch time beside its tensors and its bytes' time, from the third step on; the fit
+weighs each point by its own time, so a plan is off by as little as it can be relative to
+what it predicts, at every size. What a second slot adds (one arbiter a host carries out
+every slot's switch, and their copies share the memory) is the difference between the
+2-slot fit and the 1-slot one. The process's peak is the largest of the 1-slot runs'.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import statistics
 import subprocess
@@ -30,6 +33,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from colocate.planning import Rates, cached_rates, default_path, load_rates
 from examples.rl_loop import task
 from examples.rl_loop.budget import auto_capacity, tenant_sizes
@@ -37,11 +42,15 @@ from examples.rl_loop.config import load_config
 from examples.rl_loop.plan import model_config
 
 STEPS = 10
-# the model sizes the fit's points come from: the default, and one that moves ~25x more
+Point = tuple[float, int, float]  # a run's way: bytes' time, tensors, measured seconds
+# the model sizes the fit's points come from: the default; twice its layers (as many bytes
+# per tensor, twice the tensors); and those layers at a width that moves ~35x more bytes
 SIZES = {"64x2": [],
-         "192x4": ["model.hidden_size=192", "model.layers=4", "model.heads=4",
-                   "model.kv_heads=2", "model.intermediate_size=768"]}
-POLICIES = {"64x2": ("ample", "exclusive", "tight"), "192x4": ("ample", "exclusive")}
+         "64x4": ["model.layers=4"],
+         "384x4": ["model.hidden_size=384", "model.layers=4", "model.heads=6",
+                   "model.kv_heads=2", "model.intermediate_size=1536"]}
+POLICIES = {"64x2": ("ample", "exclusive", "tight"), "64x4": ("ample", "exclusive"),
+            "384x4": ("ample", "exclusive")}
 
 
 def capacities(overrides: list[str]) -> dict[str, int]:
@@ -64,7 +73,7 @@ def calibrate_switches(path: str | None = None) -> dict[str, Any]:
     rates = load_rates(target) if target.exists() else cached_rates(device, target)
     bare = dataclasses.replace(rates, fixed_s={}, fixed_per_slot_s={}, byte_scale={},
                                byte_scale_per_slot={})  # bytes only, at the raw rates
-    points: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (way, slots) -> runs
+    points: dict[tuple[str, int], list[Point]] = {}  # (way, slots) -> its runs' points
     process = 0
     with tempfile.TemporaryDirectory() as tmp:
         for size, model in SIZES.items():
@@ -79,18 +88,18 @@ def calibrate_switches(path: str | None = None) -> dict[str, Any]:
                     if slots == 1:
                         process = max(process,
                                       metrics["summary"]["plan"]["measured_process_bytes"])
-    fits = {key: fit_line(found) for key, found in points.items()}
+    fits = {key: fit_switch(found) for key, found in points.items()}
     one = {way: fit for (way, slots), fit in fits.items() if slots == 1}
-    two = {way: fits.get((way, 2), fit) for way, fit in one.items()}
-    rates = rates.with_fixed(
-        {way: fit[0] for way, fit in one.items()},
-        {way: max(0.0, two[way][0] - fit[0]) for way, fit in one.items()}, process,
-        byte_scale={way: fit[1] for way, fit in one.items()},
-        byte_scale_per_slot={way: max(0.0, two[way][1] - fit[1]) for way, fit in one.items()})
+    more = {way: tuple(max(0.0, b - a) for a, b in zip(fit, fits.get((way, 2), fit),
+                                                           strict=True))
+            for way, fit in one.items()}
+    rates = rates.with_switch_costs(one, more, process)
     rates.save(target)
     return {"rates_file": str(target), "fixed_s": rates.fixed_s,
-            "fixed_per_slot_s": rates.fixed_per_slot_s, "byte_scale": rates.byte_scale,
-            "byte_scale_per_slot": rates.byte_scale_per_slot, "process_bytes": process,
+            "fixed_per_slot_s": rates.fixed_per_slot_s, "per_tensor_s": rates.per_tensor_s,
+            "per_tensor_per_slot_s": rates.per_tensor_per_slot_s,
+            "byte_scale": rates.byte_scale, "byte_scale_per_slot": rates.byte_scale_per_slot,
+            "process_bytes": process,
             "points": {f"{way}, {slots} slot(s)": found
                        for (way, slots), found in sorted(points.items())}}
 
@@ -108,12 +117,12 @@ def _run(out: Path, rates_file: Path, overrides: list[str]) -> tuple[dict, dict]
 
 
 def switch_points(steps: list[dict[str, Any]], plan: dict[str, Any], bare: Rates
-                  ) -> dict[str, tuple[float, float]]:
-    """Per way, one run's point: (its bytes' time at the raw rates, the median step's
-    measured time), for the trainer's wake (started ahead: its own duration) and the sync,
-    as slot 0's plan has them."""
+                  ) -> dict[str, Point]:
+    """Per way, one run's point: (its bytes' time at the raw rates, its tensors, the median
+    step's measured time), for the trainer's wake (started ahead: its own duration) and the
+    sync, as slot 0's plan has them."""
     switches = {s["turn"]: s for s in plan["slots"][0]["step"]}
-    found: dict[str, tuple[float, float]] = {}
+    found: dict[str, Point] = {}
     for turn, figure in (("wake trainer", "switch_ahead_s"),
                          ("sync trainer -> generator", "sync_s")):
         switch = switches[turn]
@@ -123,18 +132,37 @@ def switch_points(steps: list[dict[str, Any]], plan: dict[str, Any], bare: Rates
                              switch["discarded"], switch["refilled"], switch["in_slot_bytes"],
                              to_disk=switch.get("to_disk", 0),
                              from_disk=switch.get("from_disk", 0))
-        found[way] = (moved, statistics.median(step[figure] for step in steps))
+        found[way] = (moved, switch["tensors"],
+                      statistics.median(step[figure] for step in steps))
     return found
 
 
-def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(fixed, scale) of the least-squares line `measured = fixed + scale x bytes' time`
-    through `points`; where the bytes' times barely differ (a way that moves nothing), the
-    scale is 1 and the fixed cost the median of what is left. Neither is below 0."""
-    xs, ys = [x for x, _ in points], [y for _, y in points]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    spread = sum((x - mean_x) ** 2 for x in xs)
-    if spread <= (1e-4 * max(1e-3, mean_x)) ** 2 * len(xs):
-        return max(0.0, statistics.median(y - x for x, y in points)), 1.0
-    scale = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in points) / spread)
-    return max(0.0, mean_y - scale * mean_x), scale
+def fit_switch(points: list[Point]) -> tuple[float, float, float]:
+    """(fixed, per_tensor, scale) of `measured = fixed + per_tensor x tensors + scale x
+    bytes' time` through `points` (bytes' time, tensors, measured), least squares of the
+    relative error, none below 0. A term whose value is the same at every point cannot be
+    told from the fixed cost: where the tensors do not vary, per_tensor is 0; where the
+    bytes' times barely do (a way that moves nothing), the scale is 1."""
+    moved, tensors, took = (np.array(column, dtype=float) for column in zip(*points,
+                                                                            strict=True))
+    scaled = np.ptp(moved) > 1e-4 * max(1e-3, float(moved.mean()))
+    columns = {"fixed": np.ones_like(took)}
+    if np.ptp(tensors) > 0:
+        columns["per_tensor"] = tensors
+    if scaled:
+        columns["scale"] = moved
+    left = took - (0.0 if scaled else moved)  # what the fitted terms explain
+    weight = 1.0 / np.maximum(took, 1e-9)
+    best: tuple[float, dict[str, float]] = (float(np.sum((left * weight) ** 2)), {})
+    for size in range(1, len(columns) + 1):  # each set of terms, their coefficients >= 0
+        for names in itertools.combinations(columns, size):
+            design = np.stack([columns[n] * weight for n in names], axis=1)
+            coefficients = np.linalg.lstsq(design, left * weight, rcond=None)[0]
+            if (coefficients < 0).any():
+                continue
+            residual = float(np.sum((design @ coefficients - left * weight) ** 2))
+            if residual < best[0]:
+                best = (residual, dict(zip(names, map(float, coefficients), strict=True)))
+    found = best[1]
+    return (found.get("fixed", 0.0), found.get("per_tensor", 0.0),
+            found.get("scale", 0.0) if scaled else 1.0)

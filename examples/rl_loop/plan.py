@@ -53,7 +53,7 @@ def model_config(cfg: RLConfig, alphabet: str) -> transformers.PretrainedConfig:
 def tenants(cfg: RLConfig, model: Path | transformers.PretrainedConfig
             ) -> list[list[TenantSpec]]:
     """Each slot's tenants, in the order they are spawned, with their sizes there."""
-    return [[TenantSpec(name, sizes[name].stages, sizes[name].working)
+    return [[TenantSpec(name, sizes[name].stages, sizes[name].working, sizes[name].tensors)
              for name in SPAWN_ORDER if name in sizes]
             for sizes in slot_sizes(cfg, model)]
 
