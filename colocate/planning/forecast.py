@@ -136,6 +136,11 @@ class Switch:
         return sum(m.nbytes for m in self.woken if m.copied and m.place == memory.DISK)
 
     @property
+    def disk_stages(self) -> int:
+        """The stages that went to disk or came back from it (a backup file each)."""
+        return sum(1 for m in self.slept + self.woken if m.copied and m.place == memory.DISK)
+
+    @property
     def discarded(self) -> int:
         return sum(m.nbytes for m in self.slept if not m.copied)
 

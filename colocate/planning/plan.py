@@ -57,7 +57,8 @@ class Plan:
         return self.rates.seconds(way, switch.copied_out - switch.to_disk,
                                   switch.copied_in - switch.from_disk, switch.discarded,
                                   switch.refilled, switch.in_slot_bytes, self.slots_per_host,
-                                  switch.to_disk, switch.from_disk, switch.tensors)
+                                  switch.to_disk, switch.from_disk, switch.tensors,
+                                  switch.disk_stages)
 
     def slot_seconds(self, slot: SlotForecast) -> dict[str, float]:
         """The steady step's switch and sync seconds on `slot`."""
@@ -140,6 +141,7 @@ def _switch(switch: Switch, seconds: float) -> dict[str, Any]:
             "to_disk": switch.to_disk, "from_disk": switch.from_disk,
             "discarded": switch.discarded, "refilled": switch.refilled,
             "in_slot_bytes": switch.in_slot_bytes, "tensors": switch.tensors,
+            "disk_stages": switch.disk_stages,
             "peak_bytes": switch.peak_bytes, "backup_bytes": switch.backup_bytes}
 
 

@@ -16,8 +16,9 @@ more than a lone copy's, which the caller measures on its own runtime and adds
 `byte_scale`, the bytes' time over the rates' own, 1 until measured; `fixed_per_slot_s`,
 `per_tensor_per_slot_s` and `byte_scale_per_slot`, what each further slot of a host adds,
 since one arbiter a host carries out every slot's switch and the slots share the host's
-memory), and so is the peak memory of the process that drives a run (`process_bytes`), part
-of the host's.
+memory; `disk_stage_s` and `disk_byte_scale`, what a backup on disk costs in a real switch:
+a file per stage, and its bytes beyond the lone copy's), and so is the peak memory of the
+process that drives a run (`process_bytes`), part of the host's.
 
 `load_rates(path)` reads a file written by `save`; `cached_rates(device)` reads this
 machine's (`default_path`) or calibrates and writes it.
@@ -70,28 +71,35 @@ class Rates:
     # way -> the seconds each tensor a switch handles adds, and what a further slot adds
     per_tensor_s: dict[str, float] = field(default_factory=dict)
     per_tensor_per_slot_s: dict[str, float] = field(default_factory=dict)
+    # a backup on disk in a real switch: each stage's file, and its bytes' time over the
+    # disk rates' (None: the way's byte scale), as the caller measured them
+    disk_stage_s: float = 0.0
+    disk_byte_scale: float | None = None
     process_bytes: int = 0  # the driving process's peak memory, as its caller measured it
     host: str = ""  # the machine measured
     measured_at: str = ""
 
     def seconds(self, way: str, copied_out: int = 0, copied_in: int = 0, discarded: int = 0,
                 refilled: int = 0, in_slot: int = 0, slots: int = 1, to_disk: int = 0,
-                from_disk: int = 0, tensors: int = 0) -> float:
+                from_disk: int = 0, tensors: int = 0, disk_stages: int = 0) -> float:
         """A switch's predicted time on a host of `slots` slots switching together: its
-        way's fixed cost, its cost per tensor of one slot (`tensors`), and each byte of one
-        slot at its rate (`copied_out`/`copied_in`: to host memory and back;
-        `to_disk`/`from_disk`: to disk and back) times the way's byte scale."""
+        way's fixed cost, its cost per tensor of one slot (`tensors`), each byte of one
+        slot at its rate (`copied_out`/`copied_in`: to host memory and back) times the
+        way's byte scale, and its backups on disk (`to_disk`/`from_disk` bytes, in
+        `disk_stages` files)."""
         more = slots - 1
         scale = self.byte_scale.get(way, 1.0) + more * self.byte_scale_per_slot.get(way, 0.0)
         per_tensor = self.per_tensor_s.get(way, 0.0) \
             + more * self.per_tensor_per_slot_s.get(way, 0.0)
+        disk = to_disk / (self.disk_out or self.backup_out) \
+            + from_disk / (self.disk_in or self.backup_in)
         return (self.fixed_s.get(way, 0.0) + more * self.fixed_per_slot_s.get(way, 0.0)
                 + per_tensor * tensors
                 + scale * (copied_out / self.backup_out
                            + copied_in / self.backup_in + discarded / self.drop
-                           + refilled / self.refill + in_slot / self.in_slot
-                           + to_disk / (self.disk_out or self.backup_out)
-                           + from_disk / (self.disk_in or self.backup_in)))
+                           + refilled / self.refill + in_slot / self.in_slot)
+                + self.disk_stage_s * disk_stages
+                + (scale if self.disk_byte_scale is None else self.disk_byte_scale) * disk)
 
     def with_switch_costs(self, one_slot: dict[str, tuple[float, float, float]],
                           per_slot: dict[str, tuple[float, float, float]],

@@ -18,7 +18,11 @@ step's switch time beside its tensors and its bytes' time, from the third step o
 weighs each point by its own time, so a plan is off by as little as it can be relative to
 what it predicts, at every size. What a second slot adds (one arbiter a host carries out
 every slot's switch, and their copies share the memory) is the difference between the
-2-slot fit and the 1-slot one. The process's peak is the largest of the 1-slot runs'.
+2-slot fit and the 1-slot one. A backup on disk costs more than its lone copy too (a file
+per stage, and bytes that the page cache writes back): the exclusive 1-slot runs of
+`DISK_SIZES` are made again with a host budget short of their backups, and what the fit
+leaves unexplained of their switches is fitted as `per_stage x disk stages + scale x (their
+disk bytes' time)`. The process's peak is the largest of the 1-slot runs'.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ SIZES = {"64x2": [],
                    "model.kv_heads=2", "model.intermediate_size=1536"]}
 POLICIES = {"64x2": ("ample", "exclusive", "tight"), "64x4": ("ample", "exclusive"),
             "384x4": ("ample", "exclusive")}
+# the sizes whose exclusive 1-slot run is made again with a host budget for backups of 3/4
+# of what they held (`run.host_memory`), so that what the budget lacks goes to disk
+DISK_SIZES = ("64x2", "384x4")
 
 
 def capacities(overrides: list[str]) -> dict[str, int]:
@@ -74,6 +81,7 @@ def calibrate_switches(path: str | None = None) -> dict[str, Any]:
     bare = dataclasses.replace(rates, fixed_s={}, fixed_per_slot_s={}, byte_scale={},
                                byte_scale_per_slot={})  # bytes only, at the raw rates
     points: dict[tuple[str, int], list[Point]] = {}  # (way, slots) -> its runs' points
+    to_disk: list[tuple[dict, dict]] = []  # the host-budget runs: metrics, plan
     process = 0
     with tempfile.TemporaryDirectory() as tmp:
         for size, model in SIZES.items():
@@ -81,27 +89,37 @@ def calibrate_switches(path: str | None = None) -> dict[str, Any]:
             for policy in POLICIES[size]:
                 for slots in (1, 2):
                     out = Path(tmp) / f"{size}-{policy}-{slots}"
-                    metrics, plan = _run(out, target, [*model, f"run.slots={slots}",
-                                                       f"run.slot_memory={chosen[policy]}"])
+                    run = [*model, f"run.slots={slots}", f"run.slot_memory={chosen[policy]}"]
+                    metrics, plan = _run(out, target, run)
                     for way, point in switch_points(metrics["steps"][2:], plan, bare).items():
                         points.setdefault((way, slots), []).append(point)
                     if slots == 1:
                         process = max(process,
                                       metrics["summary"]["plan"]["measured_process_bytes"])
+                    if slots == 1 and policy == "exclusive" and size in DISK_SIZES:
+                        budget = metrics["summary"]["host/peak_backup_bytes"] * 3 // 4
+                        to_disk.append(_run(Path(f"{out}-disk"), target,
+                                            [*run, f"run.host_memory={budget}"]))
     fits = {key: fit_switch(found) for key, found in points.items()}
     one = {way: fit for (way, slots), fit in fits.items() if slots == 1}
     more = {way: tuple(max(0.0, b - a) for a, b in zip(fit, fits.get((way, 2), fit),
                                                            strict=True))
             for way, fit in one.items()}
     rates = rates.with_switch_costs(one, more, process)
+    disk = [point for metrics, plan in to_disk
+            for point in disk_points(metrics["steps"][2:], plan, rates)]
+    rates = dataclasses.replace(rates, **dict(zip(("disk_stage_s", "disk_byte_scale"),
+                                                  fit_disk(disk), strict=True)))
     rates.save(target)
     return {"rates_file": str(target), "fixed_s": rates.fixed_s,
             "fixed_per_slot_s": rates.fixed_per_slot_s, "per_tensor_s": rates.per_tensor_s,
             "per_tensor_per_slot_s": rates.per_tensor_per_slot_s,
             "byte_scale": rates.byte_scale, "byte_scale_per_slot": rates.byte_scale_per_slot,
+            "disk_stage_s": rates.disk_stage_s, "disk_byte_scale": rates.disk_byte_scale,
             "process_bytes": process,
             "points": {f"{way}, {slots} slot(s)": found
-                       for (way, slots), found in sorted(points.items())}}
+                       for (way, slots), found in sorted(points.items())},
+            "disk_points": disk}
 
 
 def _run(out: Path, rates_file: Path, overrides: list[str]) -> tuple[dict, dict]:
@@ -137,6 +155,40 @@ def switch_points(steps: list[dict[str, Any]], plan: dict[str, Any], bare: Rates
     return found
 
 
+def disk_points(steps: list[dict[str, Any]], plan: dict[str, Any], rates: Rates
+                ) -> list[tuple[float, int, float, float]]:
+    """A host-budget run's trainer wake and sync: (their disk bytes' time at the raw disk
+    rates, their disk stages, what the fitted rates leave unexplained of the median step's
+    measured time, that time)."""
+    switches = {s["turn"]: s for s in plan["slots"][0]["step"]}
+    found = []
+    for turn, figure in (("wake trainer", "switch_ahead_s"),
+                         ("sync trainer -> generator", "sync_s")):
+        switch = switches[turn]
+        way = switch["way"] if switch["way"] != "arbiter" else turn.split()[0]
+        took = statistics.median(step[figure] for step in steps)
+        host = rates.seconds(way, switch["copied_out"] - switch["to_disk"],
+                             switch["copied_in"] - switch["from_disk"], switch["discarded"],
+                             switch["refilled"], switch["in_slot_bytes"],
+                             tensors=switch["tensors"])
+        disk = switch["to_disk"] / (rates.disk_out or rates.backup_out) \
+            + switch["from_disk"] / (rates.disk_in or rates.backup_in)
+        if switch["disk_stages"]:
+            found.append((disk, switch["disk_stages"], took - host, took))
+    return found
+
+
+def fit_disk(points: list[tuple[float, int, float, float]]) -> tuple[float, float | None]:
+    """(seconds per stage on disk, the disk bytes' scale) of `left = per_stage x stages +
+    scale x disk bytes' time` through `points` (`disk_points`), least squares of the error
+    relative to each point's time, neither below 0; (0, None) without points."""
+    if not points:
+        return 0.0, None
+    disk, stages, left, took = (np.array(c, dtype=float) for c in zip(*points, strict=True))
+    found = _fit({"per_stage": stages, "scale": disk}, left, took)
+    return found.get("per_stage", 0.0), found.get("scale", 0.0)
+
+
 def fit_switch(points: list[Point]) -> tuple[float, float, float]:
     """(fixed, per_tensor, scale) of `measured = fixed + per_tensor x tensors + scale x
     bytes' time` through `points` (bytes' time, tensors, measured), least squares of the
@@ -151,7 +203,16 @@ def fit_switch(points: list[Point]) -> tuple[float, float, float]:
         columns["per_tensor"] = tensors
     if scaled:
         columns["scale"] = moved
-    left = took - (0.0 if scaled else moved)  # what the fitted terms explain
+    found = _fit(columns, took - (0.0 if scaled else moved), took)
+    return (found.get("fixed", 0.0), found.get("per_tensor", 0.0),
+            found.get("scale", 0.0) if scaled else 1.0)
+
+
+def _fit(columns: dict[str, np.ndarray], left: np.ndarray, took: np.ndarray
+         ) -> dict[str, float]:
+    """The coefficients, none below 0, of the named columns whose sum is closest to
+    `left` relative to `took` (least squares of the relative error); a column left out
+    has none."""
     weight = 1.0 / np.maximum(took, 1e-9)
     best: tuple[float, dict[str, float]] = (float(np.sum((left * weight) ** 2)), {})
     for size in range(1, len(columns) + 1):  # each set of terms, their coefficients >= 0
@@ -163,6 +224,4 @@ def fit_switch(points: list[Point]) -> tuple[float, float, float]:
             residual = float(np.sum((design @ coefficients - left * weight) ** 2))
             if residual < best[0]:
                 best = (residual, dict(zip(names, map(float, coefficients), strict=True)))
-    found = best[1]
-    return (found.get("fixed", 0.0), found.get("per_tensor", 0.0),
-            found.get("scale", 0.0) if scaled else 1.0)
+    return best[1]
