@@ -36,15 +36,18 @@ def test_a_way_that_moves_nothing_has_its_fixed_cost_alone():
     assert fit_switch([(0.001, 10, 0.0001), (0.010, 10, 0.0300)])[0] == 0.0
 
 
-def test_what_a_backup_on_disk_adds_is_fitted_per_file_and_per_byte():
-    # 3 ms a stage's file and 3x the disk bytes' time, left over beside 20 ms of the rest
-    def point(disk: float, stages: int) -> tuple[float, int, float, float]:
-        left = 0.003 * stages + 3.0 * disk
-        return disk, stages, left, 0.020 + left
+def test_what_a_backup_on_disk_adds_is_fitted_per_file_and_per_byte_each_way():
+    # 3 ms a stage's file, writes 4x their time, reads 0.5x; beside 20 ms of the rest
+    def point(written: float, read: float, stages: int) -> tuple[float, float, int, float,
+                                                                  float]:
+        left = 0.003 * stages + 4.0 * written + 0.5 * read
+        return written, read, stages, left, 0.020 + left
 
-    per_stage, scale = fit_disk([point(0.0005, 4), point(0.030, 4), point(0.010, 2)])
-    assert per_stage == pytest.approx(0.003, rel=0.01) and scale == pytest.approx(3.0, rel=0.01)
-    assert fit_disk([]) == (0.0, None)  # no run went to disk: the way's scale holds
+    found = fit_disk([point(0.0005, 0, 1), point(0.030, 0, 1), point(0, 0.001, 1),
+                      point(0, 0.040, 2)])
+    assert found == pytest.approx((0.003, 4.0, 0.5), rel=0.01)
+    assert fit_disk([point(0.001, 0, 1), point(0.02, 0, 1)])[2] is None  # nothing read
+    assert fit_disk([]) == (0.0, None, None)  # no run went to disk: the way's scale holds
 
 
 def test_the_rates_price_a_switch_with_its_ways_fit():
@@ -60,6 +63,8 @@ def test_the_rates_price_a_switch_with_its_ways_fit():
     assert rates.seconds("wake", copied_out=10_000_000, slots=3, tensors=10) == \
         pytest.approx(0.01 + 2 * 0.002 + 10 * (1e-4 + 2 * 1e-5) + (2.0 + 2 * 0.5) * 0.01)
     assert rates.seconds("in_place", in_slot=1_000_000) == pytest.approx(0.001)  # unfitted
-    on_disk = dataclasses.replace(rates, disk_stage_s=0.003, disk_byte_scale=4.0)
-    assert on_disk.seconds("wake", to_disk=1_000_000, disk_stages=2) == pytest.approx(
-        0.01 + 2 * 0.003 + 4.0 * 0.002)
+    on_disk = dataclasses.replace(rates, disk_stage_s=0.003, disk_out_scale=4.0,
+                                  disk_in_scale=0.5)
+    assert on_disk.seconds("wake", to_disk=1_000_000, from_disk=2_000_000,
+                           disk_stages=2) == pytest.approx(0.01 + 2 * 0.003 + 4.0 * 0.002
+                                                           + 0.5 * 0.004)

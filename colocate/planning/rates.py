@@ -16,9 +16,10 @@ more than a lone copy's, which the caller measures on its own runtime and adds
 `byte_scale`, the bytes' time over the rates' own, 1 until measured; `fixed_per_slot_s`,
 `per_tensor_per_slot_s` and `byte_scale_per_slot`, what each further slot of a host adds,
 since one arbiter a host carries out every slot's switch and the slots share the host's
-memory; `disk_stage_s` and `disk_byte_scale`, what a backup on disk costs in a real switch:
-a file per stage, and its bytes beyond the lone copy's), and so is the peak memory of the
-process that drives a run (`process_bytes`), part of the host's.
+memory; `disk_stage_s`, `disk_out_scale` and `disk_in_scale`, what a backup on disk costs
+in a real switch: a file per stage, and its bytes written and read beyond a lone copy's),
+and so is the peak memory of the process that drives a run (`process_bytes`), part of the
+host's.
 
 `load_rates(path)` reads a file written by `save`; `cached_rates(device)` reads this
 machine's (`default_path`) or calibrates and writes it.
@@ -72,9 +73,11 @@ class Rates:
     per_tensor_s: dict[str, float] = field(default_factory=dict)
     per_tensor_per_slot_s: dict[str, float] = field(default_factory=dict)
     # a backup on disk in a real switch: each stage's file, and its bytes' time over the
-    # disk rates' (None: the way's byte scale), as the caller measured them
+    # disk rates', written and read back (None: the way's byte scale), as the caller
+    # measured them
     disk_stage_s: float = 0.0
-    disk_byte_scale: float | None = None
+    disk_out_scale: float | None = None
+    disk_in_scale: float | None = None
     process_bytes: int = 0  # the driving process's peak memory, as its caller measured it
     host: str = ""  # the machine measured
     measured_at: str = ""
@@ -91,15 +94,16 @@ class Rates:
         scale = self.byte_scale.get(way, 1.0) + more * self.byte_scale_per_slot.get(way, 0.0)
         per_tensor = self.per_tensor_s.get(way, 0.0) \
             + more * self.per_tensor_per_slot_s.get(way, 0.0)
-        disk = to_disk / (self.disk_out or self.backup_out) \
-            + from_disk / (self.disk_in or self.backup_in)
+        written = to_disk / (self.disk_out or self.backup_out)
+        read = from_disk / (self.disk_in or self.backup_in)
         return (self.fixed_s.get(way, 0.0) + more * self.fixed_per_slot_s.get(way, 0.0)
                 + per_tensor * tensors
                 + scale * (copied_out / self.backup_out
                            + copied_in / self.backup_in + discarded / self.drop
                            + refilled / self.refill + in_slot / self.in_slot)
                 + self.disk_stage_s * disk_stages
-                + (scale if self.disk_byte_scale is None else self.disk_byte_scale) * disk)
+                + (scale if self.disk_out_scale is None else self.disk_out_scale) * written
+                + (scale if self.disk_in_scale is None else self.disk_in_scale) * read)
 
     def with_switch_costs(self, one_slot: dict[str, tuple[float, float, float]],
                           per_slot: dict[str, tuple[float, float, float]],

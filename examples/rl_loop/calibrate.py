@@ -21,8 +21,10 @@ every slot's switch, and their copies share the memory) is the difference betwee
 2-slot fit and the 1-slot one. A backup on disk costs more than its lone copy too (a file
 per stage, and bytes that the page cache writes back): the exclusive 1-slot runs of
 `DISK_SIZES` are made again with a host budget short of their backups, and what the fit
-leaves unexplained of their switches is fitted as `per_stage x disk stages + scale x (their
-disk bytes' time)`. The process's peak is the largest of the 1-slot runs'.
+leaves unexplained of their switches is fitted as `per_stage x disk stages + out_scale x
+(their bytes written's time) + in_scale x (their bytes read back's)`: on this project's
+CPU machines a write to a new file costs several times what a calibration's repeated one
+does, a read back about what it does. The process's peak is the largest of the 1-slot runs'.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ from examples.rl_loop.plan import model_config
 
 STEPS = 10
 Point = tuple[float, int, float]  # a run's way: bytes' time, tensors, measured seconds
+# a host-budget run's way: bytes written to disk's time, read back's, disk stages, seconds
+# left unexplained, measured seconds
+DiskPoint = tuple[float, float, int, float, float]
 # the model sizes the fit's points come from: the default; twice its layers (as many bytes
 # per tensor, twice the tensors); and those layers at a width that moves ~35x more bytes
 SIZES = {"64x2": [],
@@ -108,14 +113,15 @@ def calibrate_switches(path: str | None = None) -> dict[str, Any]:
     rates = rates.with_switch_costs(one, more, process)
     disk = [point for metrics, plan in to_disk
             for point in disk_points(metrics["steps"][2:], plan, rates)]
-    rates = dataclasses.replace(rates, **dict(zip(("disk_stage_s", "disk_byte_scale"),
-                                                  fit_disk(disk), strict=True)))
+    rates = dataclasses.replace(rates, **dict(zip(
+        ("disk_stage_s", "disk_out_scale", "disk_in_scale"), fit_disk(disk), strict=True)))
     rates.save(target)
     return {"rates_file": str(target), "fixed_s": rates.fixed_s,
             "fixed_per_slot_s": rates.fixed_per_slot_s, "per_tensor_s": rates.per_tensor_s,
             "per_tensor_per_slot_s": rates.per_tensor_per_slot_s,
             "byte_scale": rates.byte_scale, "byte_scale_per_slot": rates.byte_scale_per_slot,
-            "disk_stage_s": rates.disk_stage_s, "disk_byte_scale": rates.disk_byte_scale,
+            "disk_stage_s": rates.disk_stage_s, "disk_out_scale": rates.disk_out_scale,
+            "disk_in_scale": rates.disk_in_scale,
             "process_bytes": process,
             "points": {f"{way}, {slots} slot(s)": found
                        for (way, slots), found in sorted(points.items())},
@@ -156,10 +162,10 @@ def switch_points(steps: list[dict[str, Any]], plan: dict[str, Any], bare: Rates
 
 
 def disk_points(steps: list[dict[str, Any]], plan: dict[str, Any], rates: Rates
-                ) -> list[tuple[float, int, float, float]]:
-    """A host-budget run's trainer wake and sync: (their disk bytes' time at the raw disk
-    rates, their disk stages, what the fitted rates leave unexplained of the median step's
-    measured time, that time)."""
+                ) -> list[DiskPoint]:
+    """A host-budget run's trainer wake and sync: (the time of their bytes written to disk
+    and read back at the raw disk rates, their disk stages, what the fitted rates leave
+    unexplained of the median step's measured time, that time)."""
     switches = {s["turn"]: s for s in plan["slots"][0]["step"]}
     found = []
     for turn, figure in (("wake trainer", "switch_ahead_s"),
@@ -171,22 +177,29 @@ def disk_points(steps: list[dict[str, Any]], plan: dict[str, Any], rates: Rates
                              switch["copied_in"] - switch["from_disk"], switch["discarded"],
                              switch["refilled"], switch["in_slot_bytes"],
                              tensors=switch["tensors"])
-        disk = switch["to_disk"] / (rates.disk_out or rates.backup_out) \
-            + switch["from_disk"] / (rates.disk_in or rates.backup_in)
         if switch["disk_stages"]:
-            found.append((disk, switch["disk_stages"], took - host, took))
+            found.append((switch["to_disk"] / (rates.disk_out or rates.backup_out),
+                          switch["from_disk"] / (rates.disk_in or rates.backup_in),
+                          switch["disk_stages"], took - host, took))
     return found
 
 
-def fit_disk(points: list[tuple[float, int, float, float]]) -> tuple[float, float | None]:
-    """(seconds per stage on disk, the disk bytes' scale) of `left = per_stage x stages +
-    scale x disk bytes' time` through `points` (`disk_points`), least squares of the error
-    relative to each point's time, neither below 0; (0, None) without points."""
+def fit_disk(points: list[DiskPoint]) -> tuple[float, float | None, float | None]:
+    """(seconds per stage on disk, the scale of the bytes written, of those read back) of
+    `left = per_stage x stages + out_scale x written + in_scale x read` (their times at
+    the raw disk rates) through `points` (`disk_points`), least squares of the error
+    relative to each point's time, none below 0; a scale no point measured is None (the
+    way's holds); (0, None, None) without points."""
     if not points:
-        return 0.0, None
-    disk, stages, left, took = (np.array(c, dtype=float) for c in zip(*points, strict=True))
-    found = _fit({"per_stage": stages, "scale": disk}, left, took)
-    return found.get("per_stage", 0.0), found.get("scale", 0.0)
+        return 0.0, None, None
+    written, read, stages, left, took = (np.array(c, dtype=float)
+                                         for c in zip(*points, strict=True))
+    columns = {"per_stage": stages}
+    columns.update({name: times for name, times in (("out", written), ("in", read))
+                    if times.any()})
+    found = _fit(columns, left, took)
+    return (found.get("per_stage", 0.0), found.get("out", 0.0) if "out" in columns else None,
+            found.get("in", 0.0) if "in" in columns else None)
 
 
 def fit_switch(points: list[Point]) -> tuple[float, float, float]:
