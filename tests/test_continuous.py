@@ -139,11 +139,13 @@ def test_a_sleep_waits_for_the_rows_in_flight(gen, model_dirs):
 LONG = SamplingParams(max_new_tokens=100, temperature=1.0, seed=5)  # no stop token
 
 
-async def test_the_actor_merges_concurrent_calls_and_a_switch_preempts_them(tmp_path):
-    """Through `GeneratorActor.generate_continuous` on a Monarch proc: a one-token call sent
-    after a long one is answered first (the actor took both: they share the batch); a
-    preempting switch returns a running call's rows unfinished, and after it they are
-    continued to their ends, keeping what they had. A refused call raises its own error."""
+@pytest.mark.parametrize("engine", ["torch", "vllm"])
+async def test_the_actor_merges_concurrent_calls_and_a_switch_preempts_them(tmp_path, engine):
+    """Through `GeneratorActor.generate_continuous` on a Monarch proc, with either engine: a
+    one-token call sent after a long one is answered first (the actor took both: they share
+    the batch); a preempting switch returns a running call's rows unfinished, and after it
+    they are continued to their ends, keeping what they had. A refused call raises its own
+    error."""
     import asyncio
 
     from colocate import phase
@@ -155,8 +157,10 @@ async def test_the_actor_merges_concurrent_calls_and_a_switch_preempts_them(tmp_
     path = write_tiny_model(tmp_path / "m", "qwen2", alphabet="0123456789+=>",
                             max_positions=128)
     async with start_runtime(gpus_per_host=1):
+        if engine == "vllm":
+            pytest.importorskip("vllm")
         gen = await spawn_service(ServiceConfig(resource_group="rl"), GeneratorActor,
-                                  str(path), max_batch=4, name="generator")
+                                  str(path), engine=engine, max_batch=8, name="generator")
         trainer = await spawn_service(ServiceConfig(resource_group="rl"), MemoryTenant, 1,
                                       name="trainer")
         async with phase(gen):
@@ -188,5 +192,6 @@ def test_continuous_rollouts_are_refused_where_they_cannot_run():
     for bad in ({"cohorts": 2}, {"mode": "partial"}):
         with pytest.raises(ValueError, match="rollout.continuous=true runs each episode"):
             RolloutConfig(continuous=True, **bad)
-    with pytest.raises(ValueError, match="needs run.engine=torch"):
-        load_config(overrides=["run.engine=vllm", "rollout.continuous=true"])
+    load_config(overrides=["run.engine=vllm", "rollout.continuous=true"])  # one rank
+    with pytest.raises(ValueError, match="needs one-rank replicas, but each has 2 ranks"):
+        load_config(overrides=["run.engine=vllm", "rollout.continuous=true", "run.slots=2"])

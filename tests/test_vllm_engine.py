@@ -9,6 +9,9 @@ an actor.
 from __future__ import annotations
 
 import os
+import random
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -135,6 +138,69 @@ def test_a_stopped_call_aborts_its_requests_and_returns_their_outputs_so_far(
     assert all(c.finished and len(c.tokens) == 12 for c in done)
     assert [c.tokens[:len(p.tokens)] for c, p in zip(done, partial, strict=True)] \
         == [p.tokens for p in partial]
+
+
+def submit_at_random(engine: VLLMGenerator, params: SamplingParams, seed: int
+                     ) -> list[Completion]:
+    """Each prompt a call of its own (seeded by its index), submitted from its own thread
+    after a random wait, so that the calls overlap in the engine's running batch."""
+    rng = random.Random(seed)
+    waits = [rng.uniform(0, 0.05) for _ in PROMPTS]
+    found: dict[int, Completion] = {}
+
+    def one(index: int) -> None:
+        time.sleep(waits[index])
+        mine = SamplingParams(**{**params.__dict__, "seed": params.seed + 100 * index})
+        found[index] = engine.submit([PROMPTS[index]], mine).result(timeout=120)[0]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [found[i] for i in range(len(PROMPTS))]
+
+
+def test_submitted_calls_join_the_running_batch(engine: VLLMGenerator) -> None:
+    """Continuous batching (`submit`): a short call submitted while a long one runs is
+    answered first; calls submitted from many threads at random moments end as each
+    would alone, up to what vLLM's CPU kernels change with a row's companions (not
+    batch-invariant: log-probabilities ~1e-5 apart, which here never changed a token);
+    a stopped call's rows come back unfinished and are continued."""
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=3)
+    long = engine.submit(PROMPTS[:1], params)
+    short = engine.submit(PROMPTS[1:2], SamplingParams(max_new_tokens=1, seed=1))
+    assert len(short.result(timeout=60)[0].tokens) == 1 and not long.done()
+    assert long.result(timeout=60)[0].finished
+
+    alone = [engine.submit([p], SamplingParams(**{**params.__dict__,
+                                                  "seed": params.seed + 100 * i})).result()[0]
+             for i, p in enumerate(PROMPTS)]
+    for seed in (0, 1):
+        together = submit_at_random(engine, params, seed)
+        assert [c.tokens for c in together] == [c.tokens for c in alone]
+        for mine, theirs in zip(together, alone, strict=True):
+            assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-3)
+
+    steps = iter(range(1000))
+    stopped = engine.submit(PROMPTS, params, stop=lambda: next(steps) >= 3).result(timeout=60)
+    assert not any(c.finished for c in stopped)
+    done = engine.submit(PROMPTS, params, stopped).result(timeout=60)
+    assert all(c.finished and len(c.tokens) == 40 for c in done)
+    assert [c.tokens[:len(p.tokens)] for c, p in zip(done, stopped, strict=True)] \
+        == [p.tokens for p in stopped]
+
+
+def test_a_sleep_waits_for_the_submitted_calls_and_a_sleeping_engine_refuses_them(
+        engine: VLLMGenerator) -> None:
+    running = engine.submit(PROMPTS, SamplingParams(max_new_tokens=40, temperature=1.0,
+                                                    seed=4))
+    engine.tenancy.sleep()
+    assert running.done() and all(len(c.tokens) == 40 for c in running.result())
+    with pytest.raises(memory.TagPausedError, match="submit needs"):
+        engine.submit(PROMPTS, GREEDY)
+    engine.tenancy.wake(["weights", "kv_cache"])
+    assert engine.submit(PROMPTS, GREEDY).result(timeout=60) == engine.generate(PROMPTS, GREEDY)
 
 
 def test_sleep_releases_memory_and_wake_restores_it(engine: VLLMGenerator,

@@ -206,12 +206,14 @@ class GeneratorActor(TenantActor):
                             params: SamplingParams,
                             partial: list[Completion | None] | None = None,
                             sessions: list[str | None] | None = None) -> None:
-        """`generate` by continuous batching (the torch engine): the endpoint takes the
-        call and returns, and the answer comes once the call's rows have ended; calls taken
-        meanwhile join the same running batch (`TorchGenerator.submit`), so many small
-        calls (an episode's turn each) decode together. A row's tokens depend on the row
-        alone (its prompt, the seed + its index), however the calls overlap. Preempted
-        like `generate` (its rows come back unfinished); a sleep waits for its rows.
+        """`generate` by continuous batching: the endpoint takes the call and returns, and
+        the answer comes once the call's rows have ended; calls taken meanwhile join the
+        same running batch (`TorchGenerator.submit`; `VLLMGenerator.submit`, a one-rank
+        engine), so many small calls (an episode's turn each) decode together. With the
+        torch engine a row's tokens depend on the row alone (its prompt, the seed + its
+        index), however the calls overlap; with vLLM, as far as its kernels are
+        batch-invariant. Preempted like `generate` (its rows come back unfinished); a
+        sleep waits for its rows.
 
         Monarch runs an actor's sync endpoints one at a time, so the answer goes through
         the call's port (`explicit_response_port`), sent from the decode thread."""
@@ -230,12 +232,8 @@ class GeneratorActor(TenantActor):
                 port.send(done.result())
 
         try:
-            submit = getattr(self.engine, "submit", None)
-            if submit is None:
-                raise ValueError("generate_continuous needs the torch engine; the vLLM "
-                                 "engine batches its own requests: call generate")
-            submit(prompts, params, partial, self.preemption.asked, sessions
-                   ).add_done_callback(answer)
+            self.engine.submit(prompts, params, partial, self.preemption.asked, sessions
+                               ).add_done_callback(answer)
         except Exception as err:  # through the port: one escaping would fail the actor
             failed(err)
 

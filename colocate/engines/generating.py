@@ -7,6 +7,7 @@ turns, `sessions=` per row) and their prefix counts are the same on both engines
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from typing import Protocol
 
 import torch
@@ -18,7 +19,8 @@ from colocate.engines.weights import WeightStream
 
 class Generator(Protocol):
     """A generator engine: its stages (`tenancy`: sleep, wake, describe), new weights in
-    place, its weights out, and generation (partial, stoppable when `preemptible`)."""
+    place, its weights out, and generation (partial, stoppable when `preemptible`; whole
+    calls, or calls joining a running batch)."""
 
     @property
     def tenancy(self) -> Tenancy: ...
@@ -32,6 +34,14 @@ class Generator(Protocol):
                  partial: Sequence[Completion | None] | None = None,
                  stop: Callable[[], bool] | None = None,
                  sessions: Sequence[str | None] | None = None) -> list[Completion]: ...
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+               partial: Sequence[Completion | None] | None = None,
+               stop: Callable[[], bool] | None = None,
+               sessions: Sequence[str | None] | None = None) -> Future[list[Completion]]:
+        """What `generate` returns, by continuous batching: the rows join the running batch
+        of the calls submitted before, and the future's result comes once they ended."""
+        ...
 
     def end_session(self, session: str) -> None:
         """Forget `session` (what is cached for it goes)."""

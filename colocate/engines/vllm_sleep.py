@@ -7,7 +7,8 @@ stage sleeps both and wakes the other again)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import vllm
@@ -21,14 +22,19 @@ STAGES = ("weights", "kv_cache")  # wake order
 class VLLMTenancy(ABC):
     """The vLLM engine's tenancy on this rank (each rank of a multi-rank engine has its own,
     called by its own slot's arbiter): the stage checks here; a subclass sleeps, wakes and
-    describes the stages its way."""
+    describes the stages its way. A sleep happens inside `guard` (the generator's: once no
+    continuous call is in flight)."""
+
+    guard: Callable[[], AbstractContextManager] = nullcontext
 
     def sleep(self, stages: Sequence[str] | None = None,
               places: Mapping[str, str] | None = None) -> int:
         """Release `stages` (default: all) that are awake, kept ones at their `places`
         (default: host memory); returns the bytes they held."""
         _check_stages(stages or ())
-        return self._sleep(STAGES if stages is None else tuple(stages), dict(places or {}))
+        with self.guard():
+            return self._sleep(STAGES if stages is None else tuple(stages),
+                               dict(places or {}))
 
     def wake(self, stages: Sequence[str]) -> None:
         """Bring `stages` back, in that order; awake stages are left as they are."""
@@ -55,8 +61,9 @@ class ArenaSleep(VLLMTenancy):
     """CPU: each stage is a `colocate.memory` tag of the worker's process, under the
     worker's own `TaggedTenant` (reached by `collective_rpc`; this rank's worker only)."""
 
-    def __init__(self, llm: vllm.LLM, prefix: str) -> None:
-        self.llm = llm
+    def __init__(self, llm: vllm.LLM, prefix: str,
+                 guard: Callable[[], AbstractContextManager] = nullcontext) -> None:
+        self.llm, self.guard = llm, guard
         llm.collective_rpc("colocate_adopt", args=(prefix,))
 
     def _sleep(self, stages: tuple[str, ...], places: dict[str, str]) -> int:
@@ -74,8 +81,9 @@ class ArenaSleep(VLLMTenancy):
 class NativeSleep(VLLMTenancy):
     """CUDA: vLLM's sleep mode; level 1 keeps the weights in host memory, drops the cache."""
 
-    def __init__(self, llm: vllm.LLM) -> None:
-        self.llm = llm
+    def __init__(self, llm: vllm.LLM,
+                 guard: Callable[[], AbstractContextManager] = nullcontext) -> None:
+        self.llm, self.guard = llm, guard
         self.pid, self.nbytes = llm.collective_rpc("colocate_sizes")[0]
         self.awake = set(STAGES)
 

@@ -234,11 +234,13 @@ class RLConfig:
             raise ValueError("rollout.overlap=true generates beside the training, but "
                              "run.policy=exclusive keeps one tenant awake a slot: use "
                              "run.policy=budget, or drop rollout.overlap")
-        if self.rollout.continuous and self.run.engine != "torch":
-            raise ValueError("rollout.continuous=true needs run.engine=torch: the vLLM "
-                             "engine batches its own requests but its actor takes one call "
-                             "at a time; use rollout.cohorts with vLLM")
         tp = self.generator.tensor_parallel_size
+        ranks = tp if self.generator.replicas == "per_copy" else self.run.slots * self.run.hosts
+        if self.rollout.continuous and self.run.engine == "vllm" and ranks > 1:
+            raise ValueError(f"rollout.continuous=true with vLLM needs one-rank replicas, but "
+                             f"each has {ranks} ranks, which step together on the same calls: "
+                             "use generator.replicas=per_copy with "
+                             "generator.tensor_parallel_size=1 (or run.slots=1)")
         if self.run.slots % tp:
             raise ValueError(f"generator.tensor_parallel_size={tp} does not divide "
                              f"run.slots={self.run.slots}: every slot holds one vLLM rank")

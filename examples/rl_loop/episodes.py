@@ -18,10 +18,11 @@ one cohort waits for its tools, another decodes. A cohort's batches are the same
 same seed, whatever the tools' timing (each cohort's calls are seeded from its first
 episode's index): the same seed gives the same run. With `rollout.continuous` each episode
 runs on its own instead (a cohort of one): a generate call a turn, its tool calls as soon as
-it made them, every call joining the torch generator's running batch (continuous batching:
+it made them, every call joining the generator's running batch (continuous batching:
 `GeneratorActor.generate_continuous`), which keeps the batch full while some episodes wait
-for tools; a row's tokens depend on the row alone there, so it too is the same run for the
-same seed. The reward functions get the whole
+for tools; with the torch engine a row's tokens depend on the row alone there, so it too is
+the same run for the same seed (with vLLM, to the precision its kernels keep a row's
+numbers whatever its companions). The reward functions get the whole
 conversation: the messages after the prompt (chat rows), or the transcript's text (text
 rows).
 

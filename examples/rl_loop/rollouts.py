@@ -52,8 +52,9 @@ class RolloutConfig:
     bad_call_reward: float = 0.0  # tools: the reward of an episode with a call that won't parse
     cohorts: int = 1  # tools/env, sync: a step's episodes in this many cohorts, each turn by
     # turn; one decodes while another waits for its tools (1: all in lockstep)
-    continuous: bool = False  # tools/env, sync, torch engine: each episode on its own, a call
-    # a turn joining the generator's running batch (continuous batching; cohorts=1)
+    continuous: bool = False  # tools/env, sync: each episode on its own, a call a turn
+    # joining the generator's running batch (continuous batching; cohorts=1; vLLM:
+    # one-rank replicas)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -256,7 +256,7 @@ class Runtime:
         its KV prefix between turns: `generator.session_cache_mb`), the rows of a replica in
         one call; else each call's rows dealt to the replicas in turn, one further on each
         call (round robin: a benchmark's comparison). Seeded per row position. With
-        `continuous` (the torch engine) the calls join their replica's running batch
+        `continuous` the calls join their replica's running batch
         (`generate_continuous`) instead of being batches of their own."""
         replicas = max(1, len(self.generator.replicas))
         self.turn_calls += 1
