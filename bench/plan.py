@@ -13,10 +13,10 @@ rest went to disk) and whether its rewards equal the unconstrained run's.
 Capacities per size, from the tenants' estimated sizes (`examples.rl_loop.calibrate.
 capacities`): "ample" (twice what all hold), "tight" (`run.slot_memory=auto`'s),
 "exclusive" (the largest tenant alone, with 1% to spare). The calibration's runs are of
-other sizes than 256x4 and 512x4 (its fit's points: the default size and 192x4), so those
-rows are predictions beyond what was measured. First the machine's switch costs are
-calibrated (python -m examples.rl_loop --calibrate, into a rates file of the bench's own)
-unless `--rates FILE` names one.
+other sizes than 256x4 and 512x4 (its fit's points: the default size, 64x4 and 384x4), so
+those rows are predictions of what was not measured, 512x4 beyond it. First the machine's
+switch costs are calibrated (python -m examples.rl_loop --calibrate, into a rates file of
+the bench's own) unless `--rates FILE` names one.
 
     .venv/bin/python -m bench.plan [--steps 9] [--rates FILE] [--out FILE]
 """

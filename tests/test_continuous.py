@@ -160,7 +160,7 @@ async def test_the_actor_merges_concurrent_calls_and_a_switch_preempts_them(tmp_
         if engine == "vllm":
             pytest.importorskip("vllm")
         gen = await spawn_service(ServiceConfig(resource_group="rl"), GeneratorActor,
-                                  str(path), engine=engine, max_batch=8, name="generator")
+                                  str(path), engine=engine, max_batch=4, name="generator")
         trainer = await spawn_service(ServiceConfig(resource_group="rl"), MemoryTenant, 1,
                                       name="trainer")
         async with phase(gen):
