@@ -35,10 +35,9 @@ waits until no such call is in flight, and a whole-batch `generate` runs between
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -46,6 +45,7 @@ import torch
 from colocate.arbiter.tenant import TaggedTenant
 from colocate.engines.decoding import ContinuousBatcher, Request, queued_rows
 from colocate.engines.generating import check_prompts
+from colocate.engines.in_flight import InFlight
 from colocate.engines.kv_sessions import (
     BatchRow,
     LayerKV,
@@ -149,11 +149,10 @@ class TorchGenerator:
         stages = {**STAGES, "weights": keep_weights}
         # kept weights are refillable: the next sync rewrites them, and `generate` refuses
         # lost ones, so a host without room for their backup may drop them
-        self._gate = threading.Condition()  # guards the continuous calls' state
-        self._in_flight = 0  # continuous calls not yet returned
+        self.in_flight = InFlight()  # the continuous calls; its gate guards their state
         self.tenancy = _SleepHook({s: f"{prefix}/{s}" for s in stages}, backup=stages,
                                   refillable=("weights",), on_sleep=self.session_kv.clear,
-                                  guard=self._idle)
+                                  guard=self.in_flight.idle)
         self.model = model.to(device).eval().requires_grad_(False)
         # the tensors a weight sync refills; derived buffers (rotary frequencies) stay
         # untagged: they are small, and no sync would bring them back if discarded
@@ -165,8 +164,8 @@ class TorchGenerator:
             + session_cache_bytes
         self.version = 0  # of the weights: + 1 at each load (Completion.versions)
         self.batcher = ContinuousBatcher(self.model, max_batch, self.max_len, device,
-                                         f"{prefix}-decode", self._gate, self._row,
-                                         self._account, self._returned)
+                                         f"{prefix}-decode", self.in_flight.gate, self._row,
+                                         self._account, self.in_flight.ended)
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -175,7 +174,7 @@ class TorchGenerator:
         time; returns the bytes copied. Every name and shape is checked before anything is
         written."""
         self.tenancy.ensure_stage("weights")
-        with self._idle():  # never under a row in flight
+        with self.in_flight.idle():  # never under a row in flight
             copied = copy_weights(self.model, weights)  # all of them, or nothing
             self.session_kv.clear()  # computed with the weights of before
             self.tenancy.refilled("weights")
@@ -232,7 +231,7 @@ class TorchGenerator:
 
         It runs as a whole batch of its own (after any continuous call in flight, see
         `submit`)."""
-        with self._idle():
+        with self.in_flight.idle():
             return self._whole(prompts, params, partial, stop, sessions)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
@@ -253,7 +252,7 @@ class TorchGenerator:
         if not self.full_attention:
             raise ValueError("submit: this model has sliding-window layers, which the "
                              "continuous batch's cache does not keep; call generate")
-        with self._gate:
+        with self.in_flight.gate:
             self.tenancy.ensure_awake()
             self._ensure_weights()
             check_prompts(prompts, params.max_new_tokens, self.max_len,
@@ -273,21 +272,9 @@ class TorchGenerator:
             if request.left == 0:
                 request.future.set_result(request.out)
             else:
-                self._in_flight += 1
+                self.in_flight.started()
                 self.batcher.add(request)
         return request.future
-
-    def _returned(self, request: Request) -> None:
-        """A continuous call's rows all ended (holding the gate)."""
-        self._in_flight -= 1
-        self._gate.notify_all()
-
-    @contextmanager
-    def _idle(self) -> Iterator[None]:
-        """Once no continuous call is in flight, hold the gate: none starts meanwhile."""
-        with self._gate:
-            self._gate.wait_for(lambda: self._in_flight == 0)
-            yield
 
     def _whole(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                partial: Sequence[Completion | None] | None,
@@ -344,12 +331,12 @@ class TorchGenerator:
     def end_session(self, session: str) -> None:
         """Forget `session`: its cached keys and values go, and a later row with its name
         starts a new one."""
-        with self._gate:
+        with self.in_flight.gate:
             self.session_kv.drop(session)
             self.ledger.end(session)
 
     def prefix_counts(self, reset: bool = False) -> PrefixCounts:
         """Every row's `Completion.prefix` summed since the start (`reset`: then start
         again from zero)."""
-        with self._gate:
+        with self.in_flight.gate:
             return self.ledger.totals(reset)

@@ -41,10 +41,8 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -55,6 +53,7 @@ import vllm
 from colocate import memory
 from colocate.engines.generating import check_prompts
 from colocate.engines.generator import KV_BLOCK_TOKENS, kv_cache_bytes
+from colocate.engines.in_flight import InFlight
 from colocate.engines.sampling import (
     Completion,
     PrefixCounts,
@@ -112,12 +111,11 @@ class VLLMGenerator:
             self.llm = vllm.LLM(**settings)
         torch.set_num_threads = set_num_threads
         no_teardown_at_exit(self.llm)
-        self._gate = threading.Condition()  # guards the continuous calls' state
-        self._in_flight = 0  # continuous calls not yet answered
-        self.tenancy: VLLMTenancy = NativeSleep(self.llm, self._idle) if native \
-            else ArenaSleep(self.llm, prefix, self._idle)
+        self.in_flight = InFlight()  # the continuous calls; its gate guards their state
+        self.tenancy: VLLMTenancy = NativeSleep(self.llm, self.in_flight.idle) if native \
+            else ArenaSleep(self.llm, prefix, self.in_flight.idle)
         self.threads = torch.get_num_threads()  # vLLM's, set at its start (step_threads)
-        self.stepper = EngineStepper(self.llm.llm_engine, f"{prefix}-steps", self._gate,
+        self.stepper = EngineStepper(self.llm.llm_engine, f"{prefix}-steps", self.in_flight.gate,
                                      self._answer, self.threads)
         self.data_parallel = llm_kwargs.get("data_parallel_size", 1)
         self.data_parallel_rank = data_parallel_rank() if self.data_parallel > 1 else 0
@@ -151,7 +149,7 @@ class VLLMGenerator:
         engine's own tensors, a bucket at a time, no disk involved; returns the bytes
         written. Every name and shape is checked before anything is written. Needs
         "weights" awake."""
-        with self._idle():
+        with self.in_flight.idle():
             self._ensure_awake(("weights",), "load_weights")
             stream = as_stream(weights)
             self._rpc("colocate_check_weights", {n: s for n, (s, _) in stream.specs.items()})
@@ -186,7 +184,7 @@ class VLLMGenerator:
 
         `sessions[i]`, when given, names the trajectory row i continues (None: none);
         each completion's `prefix` counts its reused and recomputed tokens (see module)."""
-        with self._idle():
+        with self.in_flight.idle():
             return self._whole(prompts, params, partial, stop, sessions)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
@@ -207,7 +205,7 @@ class VLLMGenerator:
             raise ValueError(f"submit: this vLLM replica has {self.ranks} ranks, which step "
                              "together on the same calls (SPMD); call generate, or use "
                              "one-rank replicas")
-        with self._gate:
+        with self.in_flight.gate:
             self._ensure_awake(STAGES, "submit")
             before, names, todo, requests, budgets = self._requests(prompts, params, partial,
                                                                     sessions)
@@ -217,8 +215,8 @@ class VLLMGenerator:
             if not todo:
                 call.future.set_result([replace(d, prefix=None) for d in before])
                 return call.future
-            self._in_flight += 1
-            call.future.add_done_callback(self._returned)
+            self.in_flight.started()
+            call.future.add_done_callback(self.in_flight.ended)
             self.stepper.add(call)
         return call.future
 
@@ -234,18 +232,6 @@ class VLLMGenerator:
             out[index] = continued(before[index], self._account(
                 names[index], requests[index], completion), version)
         return out
-
-    def _returned(self, _: Future) -> None:
-        with self._gate:
-            self._in_flight -= 1
-            self._gate.notify_all()
-
-    @contextmanager
-    def _idle(self) -> Iterator[None]:
-        """Once no continuous call is in flight, hold the gate: none starts meanwhile."""
-        with self._gate:
-            self._gate.wait_for(lambda: self._in_flight == 0)
-            yield
 
     def _requests(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                   partial: Sequence[Completion | None] | None,
@@ -308,13 +294,13 @@ class VLLMGenerator:
         """Forget `session`'s record (a later row with its name starts a new one). Its
         blocks stay in vLLM's prefix cache, which lets the least recently used go as
         requests need room."""
-        with self._gate:
+        with self.in_flight.gate:
             self.ledger.end(session)
 
     def prefix_counts(self, reset: bool = False) -> PrefixCounts:
         """Every row's `Completion.prefix` summed since the start (`reset`: then start
         again from zero)."""
-        with self._gate:
+        with self.in_flight.gate:
             return self.ledger.totals(reset)
 
     @property
