@@ -15,6 +15,7 @@ flight, so the engine is never used by two threads at once.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -124,10 +125,14 @@ class EngineStepper:
                 call.future.set_exception(err)
 
     def _fail(self, err: BaseException) -> None:
+        """Every call in flight fails with `err` (answered first: nothing waits for an
+        engine that may be broken), then its requests are aborted as far as they can be."""
         calls = {id(call): call for call in [*self.running.values(), *self.pending]}
-        self.engine.abort_request(list(self.running))
+        added = list(self.running)
         self.running.clear()
         self.pending.clear()
         self.driving = False
         for call in calls.values():
             call.future.set_exception(err)
+        with contextlib.suppress(Exception):  # the engine's failure is reported, above
+            self.engine.abort_request(added)
