@@ -21,8 +21,8 @@ runs on its own instead (a cohort of one): a generate call a turn, its tool call
 it made them, every call joining the generator's running batch (continuous batching:
 `GeneratorActor.generate_continuous`), which keeps the batch full while some episodes wait
 for tools; with the torch engine a row's tokens depend on the row alone there, so it too is
-the same run for the same seed (with vLLM, to the precision its kernels keep a row's
-numbers whatever its companions). The reward functions get the whole
+the same run for the same seed (with vLLM only as far as its kernels give a row the same
+numbers whatever its companions: not bitwise on CPU). The reward functions get the whole
 conversation: the messages after the prompt (chat rows), or the transcript's text (text
 rows).
 
