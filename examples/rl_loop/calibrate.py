@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,22 +144,28 @@ def _run(out: Path, rates_file: Path, overrides: list[str]) -> tuple[dict, dict]
 def switch_points(steps: list[dict[str, Any]], plan: dict[str, Any], bare: Rates
                   ) -> dict[str, Point]:
     """Per way, one run's point: (its bytes' time at the raw rates, its tensors, the median
-    step's measured time), for the trainer's wake (started ahead: its own duration) and the
-    sync, as slot 0's plan has them."""
-    switches = {s["turn"]: s for s in plan["slots"][0]["step"]}
+    step's measured time), for the trainer's wake and the sync (`_measured`)."""
     found: dict[str, Point] = {}
-    for turn, figure in (("wake trainer", "switch_ahead_s"),
-                         ("sync trainer -> generator", "sync_s")):
-        switch = switches[turn]
-        way = switch["way"] if switch["way"] != "arbiter" else turn.split()[0]
+    for way, switch, took in _measured(steps, plan):
         moved = bare.seconds(way, switch["copied_out"] - switch.get("to_disk", 0),
                              switch["copied_in"] - switch.get("from_disk", 0),
                              switch["discarded"], switch["refilled"], switch["in_slot_bytes"],
                              to_disk=switch.get("to_disk", 0),
                              from_disk=switch.get("from_disk", 0))
-        found[way] = (moved, switch["tensors"],
-                      statistics.median(step[figure] for step in steps))
+        found[way] = (moved, switch["tensors"], took)
     return found
+
+
+def _measured(steps: list[dict[str, Any]], plan: dict[str, Any]
+              ) -> Iterator[tuple[str, dict[str, Any], float]]:
+    """The trainer's wake (started ahead: its own duration) and the sync, as slot 0's plan
+    has them: each one's way, its planned switch and the median step's measured time."""
+    switches = {s["turn"]: s for s in plan["slots"][0]["step"]}
+    for turn, figure in (("wake trainer", "switch_ahead_s"),
+                         ("sync trainer -> generator", "sync_s")):
+        switch = switches[turn]
+        way = switch["way"] if switch["way"] != "arbiter" else turn.split()[0]
+        yield way, switch, statistics.median(step[figure] for step in steps)
 
 
 def disk_points(steps: list[dict[str, Any]], plan: dict[str, Any], rates: Rates
@@ -166,13 +173,8 @@ def disk_points(steps: list[dict[str, Any]], plan: dict[str, Any], rates: Rates
     """A host-budget run's trainer wake and sync: (the time of their bytes written to disk
     and read back at the raw disk rates, their disk stages, what the fitted rates leave
     unexplained of the median step's measured time, that time)."""
-    switches = {s["turn"]: s for s in plan["slots"][0]["step"]}
     found = []
-    for turn, figure in (("wake trainer", "switch_ahead_s"),
-                         ("sync trainer -> generator", "sync_s")):
-        switch = switches[turn]
-        way = switch["way"] if switch["way"] != "arbiter" else turn.split()[0]
-        took = statistics.median(step[figure] for step in steps)
+    for way, switch, took in _measured(steps, plan):
         host = rates.seconds(way, switch["copied_out"] - switch["to_disk"],
                              switch["copied_in"] - switch["from_disk"], switch["discarded"],
                              switch["refilled"], switch["in_slot_bytes"],
