@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import vllm
@@ -75,6 +75,17 @@ from colocate.engines.weights import WeightStream, as_stream
 
 WORKER = "colocate.engines.vllm_worker.ColocateWorker"
 IDENT_ENV = "COLOCATE_VLLM_IDENT"  # read by vllm_worker (imported in vLLM's worker)
+
+
+class _Rows(NamedTuple):
+    """A call's rows, checked: what came before each (`partial`), each one's session, the
+    rows to generate, each one's request (prompt and tokens so far) and token budget."""
+
+    before: list[Completion | None]
+    names: list[str | None]
+    todo: list[int]
+    requests: list[list[int]]
+    budgets: list[int]
 
 
 class VLLMGenerator:
@@ -207,13 +218,12 @@ class VLLMGenerator:
                              "one-rank replicas")
         with self.in_flight.gate:
             self._ensure_awake(STAGES, "submit")
-            before, names, todo, requests, budgets = self._requests(prompts, params, partial,
-                                                                    sessions)
-            call = Call([(request_id(), vllm.TokensPrompt(prompt_token_ids=requests[i]),
-                          vllm_params(params, i, budgets[i])) for i in todo], stop,
-                        context=(before, names, todo, requests, self.version))
-            if not todo:
-                call.future.set_result([replace(d, prefix=None) for d in before])
+            rows = self._requests(prompts, params, partial, sessions)
+            call = Call([(request_id(), vllm.TokensPrompt(prompt_token_ids=rows.requests[i]),
+                          vllm_params(params, i, rows.budgets[i])) for i in rows.todo], stop,
+                        context=(rows, self.version))
+            if not rows.todo:
+                call.future.set_result(self._finish(rows, [], self.version))
                 return call.future
             self.in_flight.started()
             call.future.add_done_callback(self.in_flight.ended)
@@ -222,22 +232,14 @@ class VLLMGenerator:
 
     def _answer(self, call: Call) -> list[Completion]:
         """An ended continuous call's completions (holding the gate)."""
-        before, names, todo, requests, version = call.context
-        out: list[Completion] = [done and replace(done, prefix=None)  # type: ignore[misc]
-                                 for done in before]
-        for (rid, _, _), index in zip(call.requests, todo, strict=True):
-            got = call.outputs.get(rid)
-            completion = completion_of(got, got.finished) if got is not None \
-                else Completion([], finished=False)
-            out[index] = continued(before[index], self._account(
-                names[index], requests[index], completion), version)
-        return out
+        rows, version = call.context
+        return self._finish(rows, [completion_of(call.outputs.get(rid))
+                                   for rid, _, _ in call.requests], version)
 
     def _requests(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                   partial: Sequence[Completion | None] | None,
-                  sessions: Sequence[str | None] | None) -> tuple:
-        """A call checked: what came before each row (`partial`), the rows' sessions, the
-        rows to generate, each row's request (prompt and tokens so far), its budget."""
+                  sessions: Sequence[str | None] | None) -> _Rows:
+        """A call's rows, checked (see `_Rows`)."""
         check_prompts(prompts, params.max_new_tokens, self.max_model_len, "max_model_len")
         before = partial_list(partial, len(prompts), params)
         names = check_sessions(sessions, len(prompts))
@@ -245,7 +247,19 @@ class VLLMGenerator:
         prefixes = [done.tokens if done else [] for done in before]
         requests = [list(p) + prefix for p, prefix in zip(prompts, prefixes, strict=True)]
         budgets = [params.max_new_tokens - len(prefix) for prefix in prefixes]
-        return before, names, todo, requests, budgets
+        return _Rows(before, names, todo, requests, budgets)
+
+    def _finish(self, rows: _Rows, new: Sequence[Completion], version: int
+                ) -> list[Completion]:
+        """The call's completions: each row of `rows.todo` its `new` one (generated on
+        weights `version`) after what came before it, counted against its session; the
+        others as they came."""
+        out: list[Completion] = [done and replace(done, prefix=None)  # type: ignore[misc]
+                                 for done in rows.before]
+        for index, completion in zip(rows.todo, new, strict=True):
+            out[index] = continued(rows.before[index], self._account(
+                rows.names[index], rows.requests[index], completion), version)
+        return out
 
     def _whole(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                partial: Sequence[Completion | None] | None,
@@ -253,10 +267,10 @@ class VLLMGenerator:
                sessions: Sequence[str | None] | None) -> list[Completion]:
         """`generate`'s call, its rows stepped to their ends here."""
         self._ensure_awake(STAGES, "generate")
-        before, names, todo, requests, budgets = self._requests(prompts, params, partial,
-                                                                sessions)
+        rows = self._requests(prompts, params, partial, sessions)
+        todo, requests, budgets = rows.todo, rows.requests, rows.budgets
         if not todo:
-            return [replace(done, prefix=None) for done in before]  # type: ignore[type-var]
+            return self._finish(rows, [], self.version)
         if self.data_parallel == 1:
             new = self._generate(requests, todo, params, budgets, stop)
         else:
@@ -271,12 +285,7 @@ class VLLMGenerator:
             by_index = {index: completion for indices, completions in shares
                         for index, completion in zip(indices, completions, strict=True)}
             new = [by_index[i] for i in todo]
-        out: list[Completion] = [done and replace(done, prefix=None)  # type: ignore[misc]
-                                 for done in before]
-        for index, completion in zip(todo, new, strict=True):
-            out[index] = continued(before[index], self._account(
-                names[index], requests[index], completion), self.version)
-        return out
+        return self._finish(rows, new, self.version)
 
     def _account(self, session: str | None, tokens: list[int],
                  completion: Completion) -> Completion:
@@ -333,8 +342,7 @@ class VLLMGenerator:
             running = [rid for rid in ids if rid not in last or not last[rid].finished]
             if running:
                 engine.abort_request(running)
-        return [completion_of(last[rid], last[rid].finished) if rid in last
-                else Completion([], finished=False) for rid in ids]
+        return [completion_of(last.get(rid)) for rid in ids]
 
     # -- helpers ---------------------------------------------------------------------------
 

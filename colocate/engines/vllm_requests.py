@@ -27,12 +27,15 @@ def vllm_params(params: SamplingParams, index: int, budget: int) -> vllm.Samplin
     )
 
 
-def completion_of(request: Any, finished: bool = True) -> Completion:
-    """A request's output (`vllm.RequestOutput`), with its prompt's cached tokens as
-    `prefix.reused` (to be counted against its session's record)."""
+def completion_of(request: Any | None) -> Completion:
+    """A request's latest output (`vllm.RequestOutput`; None: it had none, aborted before
+    its first step), with its prompt's cached tokens as `prefix.reused` (to be counted
+    against its session's record); unfinished unless vLLM finished it."""
+    if request is None:
+        return Completion([], finished=False)
     out = request.outputs[0]
     tokens = list(out.token_ids)
     logprobs = [entry[token].logprob for token, entry in zip(tokens, out.logprobs, strict=True)]
     cached = PrefixCounts(len(request.prompt_token_ids or ()), request.num_cached_tokens or 0)
-    return Completion(tokens, logprobs, stopped=out.finish_reason == "stop", finished=finished,
-                      prefix=cached)
+    return Completion(tokens, logprobs, stopped=out.finish_reason == "stop",
+                      finished=request.finished, prefix=cached)
