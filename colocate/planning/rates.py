@@ -94,8 +94,7 @@ class Rates:
         scale = self.byte_scale.get(way, 1.0) + more * self.byte_scale_per_slot.get(way, 0.0)
         per_tensor = self.per_tensor_s.get(way, 0.0) \
             + more * self.per_tensor_per_slot_s.get(way, 0.0)
-        written = to_disk / (self.disk_out or self.backup_out)
-        read = from_disk / (self.disk_in or self.backup_in)
+        written, read = self.disk_times(to_disk, from_disk)
         return (self.fixed_s.get(way, 0.0) + more * self.fixed_per_slot_s.get(way, 0.0)
                 + per_tensor * tensors
                 + scale * (copied_out / self.backup_out
@@ -104,6 +103,12 @@ class Rates:
                 + self.disk_stage_s * disk_stages
                 + (scale if self.disk_out_scale is None else self.disk_out_scale) * written
                 + (scale if self.disk_in_scale is None else self.disk_in_scale) * read)
+
+    def disk_times(self, to_disk: int, from_disk: int) -> tuple[float, float]:
+        """The raw seconds of `to_disk` bytes written to disk and `from_disk` read back (at
+        the host's rates where the disk's were not measured)."""
+        return (to_disk / (self.disk_out or self.backup_out),
+                from_disk / (self.disk_in or self.backup_in))
 
     def with_switch_costs(self, one_slot: dict[str, tuple[float, float, float]],
                           per_slot: dict[str, tuple[float, float, float]],

@@ -180,8 +180,7 @@ def disk_points(steps: list[dict[str, Any]], plan: dict[str, Any], rates: Rates
                              switch["refilled"], switch["in_slot_bytes"],
                              tensors=switch["tensors"])
         if switch["disk_stages"]:
-            found.append((switch["to_disk"] / (rates.disk_out or rates.backup_out),
-                          switch["from_disk"] / (rates.disk_in or rates.backup_in),
+            found.append((*rates.disk_times(switch["to_disk"], switch["from_disk"]),
                           switch["disk_stages"], took - host, took))
     return found
 
