@@ -173,6 +173,23 @@ def test_every_outcome_of_a_call_is_an_observation(tools_file):
     assert as_text([1, "a"]) == '[1, "a"]' and as_text({1, 2}) is None
 
 
+def test_a_sync_tool_counts_as_running_until_it_returns_and_no_longer(tools_file):
+    """What a worker reports as stuck: a tool past its limit, never one that has returned
+    and whose thread is still winding down (a busy machine can keep that thread alive)."""
+    tools = load_tools([f"{tools_file}:{name}" for name in ("add", "sleeps")])
+    running: set = set()
+
+    async def calls():
+        done = await call_tool(tools["add"], "add", {"a": 1, "b": 1}, 5.0, running)
+        assert (done.content, running) == ("2", set())
+        late = await call_tool(tools["sleeps"], "sleeps", {"seconds": 1.0}, 0.1, running)
+        assert late.error == "timeout" and len(running) == 1
+        await asyncio.sleep(2.0)
+        assert running == set()
+
+    asyncio.run(calls())
+
+
 # ---- the calculator and the multiply task ----
 
 def test_the_calculator_evaluates_arithmetic_and_nothing_else():

@@ -120,8 +120,8 @@ async def call_tool(tool: Tool | None, name: str, arguments: dict[str, Any] | st
                     ) -> ToolResult:
     """Call `tool` (None: no tool of that `name`) with `arguments` (an object, or its JSON)
     within `timeout_s`; never raises for what the tool does (see module). A sync tool runs
-    on a daemon thread of its own (added to `threads`): one stuck past its limit holds no
-    pool's worker, nor the process's exit."""
+    on a daemon thread of its own (in `threads` until the tool returns): one stuck past its
+    limit holds no pool's worker, nor the process's exit."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     if tool is None:
@@ -152,7 +152,9 @@ async def call_tool(tool: Tool | None, name: str, arguments: dict[str, Any] | st
 
 def _on_thread(fn: Callable[..., Any], kwargs: dict[str, Any],
                threads: set[threading.Thread]) -> asyncio.Future[Any]:
-    """`fn(**kwargs)` on a daemon thread of its own, as a future of this loop."""
+    """`fn(**kwargs)` on a daemon thread of its own, as a future of this loop; the thread is
+    in `threads` while `fn` runs (not while the thread winds down, which a busy machine
+    can make last)."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Any] = loop.create_future()
 
@@ -165,6 +167,7 @@ def _on_thread(fn: Callable[..., Any], kwargs: dict[str, Any],
             outcome = (True, fn(**kwargs))
         except BaseException as err:  # handed to the caller as the tool's failure
             outcome = (False, err)
+        threads.discard(threading.current_thread())
         try:
             loop.call_soon_threadsafe(settle, *outcome)
         except RuntimeError:  # its loop closed meanwhile: nobody waits for it
@@ -199,12 +202,11 @@ class ToolActor(Actor):
     async def stuck(self) -> int:
         """Sync tools still running past their time limit (their threads cannot be
         stopped; they end when the tool returns, or with the proc)."""
-        return sum(thread.is_alive() for thread in self._running)
+        return len(self._running)
 
     @endpoint
     async def call(self, name: str, arguments: dict[str, Any] | str) -> ToolResult:
         """Tool `name` with `arguments` (an object, or its JSON): see module."""
         self.calls += 1
-        self._running = {t for t in self._running if t.is_alive()}
         return await call_tool(self.tools.get(name), name, arguments, self.timeout_s,
                                self._running)
