@@ -81,10 +81,12 @@ class Group:
 class Groups:
     """The placed resource groups of one runtime and the procs they started."""
 
-    def __init__(self, host_mesh: Any, inventory: Inventory, virtual: bool) -> None:
+    def __init__(self, host_mesh: Any, inventory: Inventory, virtual: bool,
+                 fork_server: str | None = None) -> None:
         self.host_mesh = host_mesh
         self.inventory = inventory
         self.virtual = virtual
+        self.fork_server = fork_server  # where procs are forked from (`zygote`), if anywhere
         self.groups: dict[str, Group] = {}
         self.replacements: list[SlotProcs] = []  # procs started for slots whose procs died
 
@@ -113,7 +115,7 @@ class Groups:
         return spawn_slot_procs(
             self.host_mesh, placement.hosts[0], len(placement.hosts), placement.procs_per_host,
             lambda h, p: placement.gpus[h][p] if placement.gpus[h] else p,
-            self.virtual or not placement.with_gpus)
+            self.virtual or not placement.with_gpus, self.fork_server)
 
     async def restart(self, name: str, grace_s: float) -> tuple[Group, SlotProcs]:
         """New procs for every slot of group `name` (same hosts, slots and GPUs), then the
@@ -208,7 +210,7 @@ class Groups:
         started = await spawn_slot_procs(
             self.host_mesh, hosts[0], hosts[-1] - hosts[0] + 1, per_host,
             lambda h, p: slots[h * per_host + p][1],
-            self.virtual or not group.placement.with_gpus)
+            self.virtual or not group.placement.with_gpus, self.fork_server)
         self.replacements.append(started)
         remove_files_of(allocation.pids)  # of the procs that died; live ones keep theirs
         return Allocation(allocation.group, allocation.owner, started.procs, slots,

@@ -26,6 +26,7 @@ Without GPUs, `gpus_per_host` virtual slots (plain CPU procs) stand in for them.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
@@ -36,6 +37,7 @@ from colocate.arbiter.host import HostStatus
 from colocate.arbiter.proc_watch import ProcWatchClient
 from colocate.arbiter.slot import SlotTraffic
 from colocate.arbiter.tenant import TenantInfo
+from colocate.resources import zygote
 from colocate.resources.faults import Faults
 from colocate.resources.groups import Allocation, Group, Groups
 from colocate.resources.handoff_client import Handoffs
@@ -45,6 +47,7 @@ from colocate.resources.in_place import InPlaceCopier
 from colocate.resources.listener import Listener
 from colocate.resources.lost_hosts import LostHosts
 from colocate.resources.packing import Inventory, ResourceError, ResourceRequest
+from colocate.resources.proc_main import FORK_ENV
 from colocate.resources.spawning import Spawns
 from colocate.resources.switching import Switchboard
 
@@ -60,13 +63,23 @@ def documented_by(part: Callable[..., Any]) -> Callable[[F], F]:
     return document
 
 
+def fork_server(job: HostJob, virtual: bool) -> str | None:
+    """Where this runtime's procs are forked from (`zygote`): this process's fork server
+    when its one host is this machine and has no GPUs, unless COLOCATE_FORK_SERVER=0."""
+    if job.scheduler != "local" or not virtual or os.environ.get(FORK_ENV) == "0":
+        return None
+    return zygote.address()
+
+
 class ResourceManager:
     """Owns the hosts, the groups' procs, the arbiters, and the actors spawned on them."""
 
     def __init__(self, job: HostJob, gpus_per_host: int, virtual: bool,
                  arbiter_config: ArbiterConfig) -> None:
         self.job = job
-        self.groups = Groups(job.mesh, Inventory(job.num_hosts, gpus_per_host), virtual)
+        self.fork_server = fork_server(job, virtual)
+        self.groups = Groups(job.mesh, Inventory(job.num_hosts, gpus_per_host), virtual,
+                             self.fork_server)
         self.faults = Faults()
         self.switchboard = Switchboard(arbiter_config, on_lost=self.faults.lost)
         self.view: HostsView = self.switchboard.view
@@ -163,7 +176,7 @@ class ResourceManager:
 
     async def start(self) -> None:
         """Start the hosts' arbiters, then their watch on the procs."""
-        await self.switchboard.start(self.job.mesh, self.gpus_per_host)
+        await self.switchboard.start(self.job.mesh, self.gpus_per_host, self.fork_server)
         self.spawns.start_proc_watch(self.job.num_hosts, self.lost_hosts.add, self.job.answers)
 
     # -- switches ----------------------------------------------------------------------

@@ -19,14 +19,23 @@ import os
 import runpy
 import sys
 
+FORK_ENV = "COLOCATE_FORK_SERVER"  # the socket of a fork server to start this proc from
 _exit_code = 1  # what Python exits with after an uncaught exception
 
 
 def run(module: str, gpu_slot: bool = False) -> None:
-    """Run `module` as this proc's main module; with `gpu_slot`, on its slot's GPU."""
+    """Run `module` as this proc's main module; with `gpu_slot`, on its slot's GPU; given a
+    fork server (`zygote.FORK_ENV`), in a child of it that this process stands in for."""
     global _exit_code
     atexit.register(_exit_now)  # registered first, so it runs after every other callback
+    fork_server = os.environ.pop(FORK_ENV, None)
     try:
+        if fork_server and not gpu_slot:
+            from colocate.resources.zygote import launch
+
+            code = launch(fork_server, module)
+            if code is not None:
+                raise SystemExit(code)
         if gpu_slot:
             from colocate.resources.gpus import run_on_slot_gpu
 

@@ -23,6 +23,7 @@ from monarch.actor import Actor, default_bootstrap_cmd, endpoint
 
 from colocate.monarch_compat import BootstrapCommand
 from colocate.resources.packing import ResourceError
+from colocate.resources.proc_main import FORK_ENV
 from colocate.shm_files import remove_files_of
 from colocate.telemetry import process_runs
 
@@ -64,18 +65,20 @@ def _slot_env(slot: int, virtual: bool) -> dict[str, str]:
     return env
 
 
-def bootstrap_command(env: Callable[[dict[str, int]], dict[str, str]]
-                      ) -> Callable[[Any], Any]:
+def bootstrap_command(env: Callable[[dict[str, int]], dict[str, str]],
+                      fork_server: str | None = None) -> Callable[[Any], Any]:
     """A bootstrap command for each proc with `env(its coordinates)` added, set before the
     proc starts. Every proc starts through `proc_main.run`, then Monarch's bootstrap
     module; a GPU slot's proc (`GPU_SLOT_ENV` in its env) first gets CUDA_VISIBLE_DEVICES
     set to its GPU's UUID on the proc's own host (`gpus.run_on_slot_gpu`), so CUDA sees only
-    that GPU."""
+    that GPU. Given a `fork_server` (`zygote.address()`), every other proc is forked there."""
     from colocate.resources.gpus import GPU_SLOT_ENV
 
     def command(point: Any) -> BootstrapCommand:
         base = default_bootstrap_cmd()
         extra = env(dict(point))
+        if fork_server and GPU_SLOT_ENV not in extra:
+            extra[FORK_ENV] = fork_server
         args = list(base.args)
         if args[:1] != ["-m"] or len(args) < 2:
             raise ResourceError(
@@ -107,16 +110,18 @@ class SlotProcs:
 
 
 async def spawn_slot_procs(host_mesh: Any, first_host: int, hosts: int, per_host: int,
-                           slot_of: Callable[[int, int], int], virtual: bool) -> SlotProcs:
+                           slot_of: Callable[[int, int], int], virtual: bool,
+                           fork_server: str | None = None) -> SlotProcs:
     """Start `per_host` procs on each of `hosts` hosts from `first_host` of `host_mesh`;
     the proc at (host h of these, proc p) gets slot `slot_of(h, p)`'s environment (a
-    virtual slot's without a GPU). Returns once every proc answered with its pid."""
+    virtual slot's without a GPU), forked from `fork_server` when given. Returns once every
+    proc answered with its pid."""
 
     def env(point: dict[str, int]) -> dict[str, str]:
         return _slot_env(slot_of(point.get("hosts", 0), point["gpus"]), virtual)
 
     procs = select(host_mesh, hosts=slice(first_host, first_host + hosts)).spawn_procs(
-        per_host={"gpus": per_host}, bootstrap_command=bootstrap_command(env))
+        per_host={"gpus": per_host}, bootstrap_command=bootstrap_command(env, fork_server))
     probe = procs.spawn("probe", ProcProbe)
     info = await probe.info.call()
     return SlotProcs(procs, tuple(value["pid"] for _, value in info.items()))

@@ -59,10 +59,13 @@ class Switchboard:
         self._procs: SlotProcs | None = None
         self._arbiters: Any = None
 
-    async def start(self, host_mesh: Any, slots_per_host: int) -> None:
-        """Start one `Arbiter` per host, on a proc of its own, for `slots_per_host` slots."""
-        procs = host_mesh.spawn_procs(per_host={"procs": 1},
-                                      bootstrap_command=bootstrap_command(lambda point: {}))
+    async def start(self, host_mesh: Any, slots_per_host: int,
+                    fork_server: str | None = None) -> None:
+        """Start one `Arbiter` per host, on a proc of its own (forked from `fork_server` when
+        given), for `slots_per_host` slots."""
+        procs = host_mesh.spawn_procs(
+            per_host={"procs": 1}, bootstrap_command=bootstrap_command(lambda point: {},
+                                                                       fork_server))
         self._procs = SlotProcs(procs, ())
         self._arbiters = procs.spawn("arbiter", Arbiter, list(range(slots_per_host)),
                                      self.config)

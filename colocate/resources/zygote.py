@@ -1,0 +1,250 @@
+"""Procs forked from a process that imported torch once (a fork server, as
+multiprocessing's forkserver), for the procs a runtime starts on its own machine without
+GPUs: a proc then starts in a fraction of the CPU time an interpreter spends importing torch
+(bench/RESULTS.md, "A proc's start").
+
+`address()` starts this process's fork server (`python -m colocate.resources.zygote PATH`)
+on first use; it lives as long as this process (it ends when its stdin, a pipe from here,
+closes). Monarch starts each proc as a command (`procs.bootstrap_command`); given the
+server's socket in `proc_main.FORK_ENV`, that command (`proc_main.run`) calls `launch`,
+which hands the server its stdin, stdout and stderr, its environment, working directory,
+`sys.path` and argv. The server forks a child that takes them and runs Monarch's bootstrap
+module as the command would have. The command stays as the child's stand-in for whoever
+started it: it forwards the signals it can catch and exits as the child exits (its exit
+code, or killed by its signal). If the command is killed, the server kills its child; if
+the server dies, each command kills its child.
+
+The server imports no Monarch (each child does, after it took its own environment), and
+takes OMP_NUM_THREADS out of its own environment: OpenMP reads it once, as torch loads, so a
+child whose environment sets it gets it from `torch.set_num_threads`. GPU slot procs are
+not forked: CUDA_VISIBLE_DEVICES and torch_memory_saver's LD_PRELOAD must be in place when
+their process starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+PRELOAD = ("torch", "torch.distributed.tensor")  # what every proc imports, at ~2 s of CPU
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+             signal.SIGUSR2)
+_STDIO = 3  # stdin, stdout, stderr: passed with each request
+_HEADER = struct.Struct("!Q")  # a request's length; an answer: a pid, then a wait status
+
+_server: subprocess.Popen | None = None
+_path = ""
+
+
+def address() -> str:
+    """The socket of this process's fork server, started on first use (and again if it
+    died); it ends with this process."""
+    global _server, _path
+    if _server is None or _server.poll() is not None:
+        _path = os.path.join(tempfile.mkdtemp(prefix="colocate-fork-"), "socket")
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        _server = subprocess.Popen([sys.executable, "-m", __name__, _path],
+                                   stdin=subprocess.PIPE, env=env)
+    return _path
+
+
+# ---- the command's side ----
+
+
+def launch(path: str, module: str) -> int | None:
+    """Run `module` as this process's main module in a child of the fork server at `path`,
+    standing in for it (see module); returns its exit code, or ends by its signal. None:
+    the server cannot be reached, and nothing was started."""
+    request = json.dumps({"module": module, "env": dict(os.environ), "cwd": os.getcwd(),
+                          "path": sys.path, "argv": sys.argv}).encode()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+    except OSError as err:
+        print(f"colocate: no fork server at {path} ({err}): this proc starts on its own",
+              file=sys.stderr)
+        return None
+    socket.send_fds(conn, [_HEADER.pack(len(request))], list(range(_STDIO)))
+    conn.sendall(request)
+    child = _read_number(conn)
+    for sig in FORWARDED:
+        signal.signal(sig, lambda sig, _frame: _signal(child, sig))
+    try:
+        status = _read_number(conn)
+    except (EOFError, ConnectionError):  # the server died: no one is left to watch the child
+        _signal(child, signal.SIGKILL)
+        print(f"colocate: the fork server of proc {child} ended; proc killed", file=sys.stderr)
+        return 1
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:  # killed by a signal: so is its stand-in
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _read_number(conn: socket.socket) -> int:
+    data = b""
+    while len(data) < _HEADER.size:
+        chunk = conn.recv(_HEADER.size - len(data))
+        if not chunk:
+            raise EOFError("the fork server closed the connection")
+        data += chunk
+    return _HEADER.unpack(data)[0]
+
+
+# ---- the server's side ----
+
+
+@dataclass
+class _Request:
+    module: str
+    env: dict[str, str]
+    cwd: str
+    path: list[str]
+    argv: list[str]
+    stdio: list[int]
+
+
+@dataclass
+class _Child:
+    pid: int
+    pidfd: int
+    conn: socket.socket
+
+    def close(self) -> None:
+        os.close(self.pidfd)
+        self.conn.close()
+
+
+def main(path: str) -> None:
+    """The fork server; in each forked child, the proc its request asked for."""
+    request = _serve(path)  # returns only in a forked child
+    _become(request)
+
+
+def _serve(path: str) -> _Request:
+    children: dict[int, _Child] = {}  # by the fd the selector reports: pidfd, or conn
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, \
+            selectors.DefaultSelector() as selector:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # it ends with the process that started it
+        listener.bind(path)
+        listener.listen(64)  # requests wait here while torch loads
+        for module in PRELOAD:
+            importlib.import_module(module)
+        selector.register(listener, selectors.EVENT_READ)
+        selector.register(sys.stdin, selectors.EVENT_READ)
+        while True:
+            for key, _ in selector.select():
+                if key.fileobj is sys.stdin:
+                    if not os.read(sys.stdin.fileno(), 4096):  # the process that started
+                        _end(path, children)                  # this one ended
+                elif key.fileobj is listener:
+                    request, conn = _accept(listener)
+                    if request is None:
+                        continue
+                    pid = os.fork()
+                    if pid == 0:
+                        for child in _each(children):
+                            child.close()
+                        conn.close()
+                        return request  # the with-blocks close the listener and selector
+                    for fd in request.stdio:
+                        os.close(fd)
+                    child = _Child(pid, os.pidfd_open(pid), conn)
+                    children[child.pidfd] = children[conn.fileno()] = child
+                    selector.register(child.pidfd, selectors.EVENT_READ)
+                    selector.register(conn, selectors.EVENT_READ)
+                    conn.sendall(_HEADER.pack(pid))
+                elif (child := children.pop(key.fd, None)) is not None:  # it, or its command,
+                    exited = key.fd == child.pidfd                        # ended
+                    children.pop(child.conn.fileno() if exited else child.pidfd)
+                    _finish(child, selector, exited)
+
+
+def _each(children: dict[int, _Child]) -> list[_Child]:
+    return list({child.pid: child for child in children.values()}.values())
+
+
+def _accept(listener: socket.socket) -> tuple[_Request | None, socket.socket]:
+    conn, _ = listener.accept()
+    conn.settimeout(30.0)  # a command sends its request as it connects
+    try:
+        head, fds, _, _ = socket.recv_fds(conn, _HEADER.size, _STDIO)
+        body = b""
+        while len(body) < _HEADER.unpack(head)[0]:
+            body += conn.recv(_HEADER.unpack(head)[0] - len(body)) or _eof()
+        fields = json.loads(body)
+    except (OSError, EOFError, ValueError, struct.error) as err:
+        print(f"colocate fork server: a bad request ({err})", file=sys.stderr)
+        conn.close()
+        return None, conn
+    conn.settimeout(None)
+    return _Request(**fields, stdio=fds), conn
+
+
+def _eof() -> bytes:
+    raise EOFError("the command closed its connection mid-request")
+
+
+def _finish(child: _Child, selector: selectors.BaseSelector, exited: bool) -> None:
+    """The child ended (`exited`): tell its command how; or its command ended first: kill
+    the child. Either way, reap it."""
+    if not exited:
+        _signal(child.pid, signal.SIGKILL)
+    _, status = os.waitpid(child.pid, 0)
+    if exited:
+        with contextlib.suppress(OSError):
+            child.conn.sendall(_HEADER.pack(status))
+    selector.unregister(child.pidfd)
+    selector.unregister(child.conn)
+    child.close()
+
+
+def _end(path: str, children: dict[int, _Child]) -> None:
+    """Close every command's connection (each kills its child) and exit."""
+    for child in _each(children):
+        child.close()
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+        os.rmdir(os.path.dirname(path))
+    os._exit(0)
+
+
+def _become(request: _Request) -> None:
+    """Take the command's stdio, environment, directory, path and argv, then run its module
+    as `proc_main.run` would: this process then ends as a proc does."""
+    for target, fd in enumerate(request.stdio):
+        os.dup2(fd, target)
+        os.close(fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it
+    os.environ.clear()
+    os.environ.update(request.env)
+    os.chdir(request.cwd)
+    sys.path[:] = request.path
+    sys.argv[:] = request.argv
+    if "OMP_NUM_THREADS" in request.env:
+        import torch
+
+        torch.set_num_threads(int(request.env["OMP_NUM_THREADS"]))
+    from colocate.resources.proc_main import run
+
+    run(request.module)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
