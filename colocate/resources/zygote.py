@@ -34,6 +34,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 PRELOAD = ("torch", "torch.distributed.tensor")  # what every proc imports, at ~2 s of CPU
@@ -55,6 +56,13 @@ def address() -> str:
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
         _server = subprocess.Popen([sys.executable, "-m", __name__, _path],
                                    stdin=subprocess.PIPE, env=env)
+        deadline = time.monotonic() + 60.0
+        while not os.path.exists(_path):  # bound as it starts, before it loads torch
+            if _server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the fork server for this process's procs did not start "
+                                   f"(exit code {_server.poll()}); see its error above, or "
+                                   "set COLOCATE_FORK_SERVER=0 to start each proc on its own")
+            time.sleep(0.01)
     return _path
 
 
@@ -87,8 +95,10 @@ def launch(path: str, module: str) -> int | None:
         return 1
     code = os.waitstatus_to_exitcode(status)
     if code < 0:  # killed by a signal: so is its stand-in
-        signal.signal(-code, signal.SIG_DFL)
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
+        return 128 - code  # a signal whose default is not to end the process
     return code
 
 
