@@ -28,12 +28,13 @@ import json, os, signal, sys, time
 from colocate.resources.proc_main import FORK_ENV
 preloaded = "torch" in sys.modules
 import torch
+if os.environ.get("PROBE_SLEEPS"):
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(15))  # a proc's graceful stop
 print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "preloaded": preloaded,
                   "threads": torch.get_num_threads(), "cwd": os.getcwd(),
                   "said": os.environ.get("PROBE_SAYS"), "fork": os.environ.get(FORK_ENV),
                   "argv": sys.argv}), flush=True)
 if os.environ.get("PROBE_SLEEPS"):
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(15))  # a proc's graceful stop
     time.sleep(60)
 sys.exit(3)
 '''
@@ -103,8 +104,11 @@ def test_the_forks_of_a_server_that_ends_are_killed(probe, tmp_path):
     path = str(tmp_path / "socket")
     server = subprocess.Popen([sys.executable, "-m", "colocate.resources.zygote", path],
                               stdin=subprocess.PIPE)
+    while not Path(path).exists():  # bound as it starts
+        time.sleep(0.01)
     proc = command(probe, path, PROBE_SLEEPS="1")
     fork = said(proc)["pid"]
+    assert fork != proc.pid
     server.stdin.close()  # as when the process that started it ends
     assert proc.wait(30) == 1 and "fork server" in proc.stderr.read()
     assert gone(fork) and server.wait(30) == 0 and not Path(path).exists()

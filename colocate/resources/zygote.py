@@ -82,11 +82,13 @@ def launch(path: str, module: str) -> int | None:
         print(f"colocate: no fork server at {path} ({err}): this proc starts on its own",
               file=sys.stderr)
         return None
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # held until the child has them
     socket.send_fds(conn, [_HEADER.pack(len(request))], list(range(_STDIO)))
     conn.sendall(request)
     child = _read_number(conn)
     for sig in FORWARDED:
         signal.signal(sig, lambda sig, _frame: _signal(child, sig))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     try:
         status = _read_number(conn)
     except (EOFError, ConnectionError):  # the server died: no one is left to watch the child
