@@ -1,24 +1,24 @@
-"""Procs forked from a process that imported torch once (a fork server, as
-multiprocessing's forkserver), for the procs a runtime starts on its own machine without
-GPUs: a proc then starts in a fraction of the CPU time an interpreter spends importing torch
+"""Procs forked from a process that imported torch once (a fork server, as multiprocessing's
+forkserver), for the procs a runtime starts on its own machine without GPUs: a proc then
+starts in a fraction of the CPU time an interpreter spends importing torch
 (bench/RESULTS.md, "A proc's start").
 
 `address()` starts this process's fork server (`python -m colocate.resources.zygote PATH`)
 on first use; it lives as long as this process (it ends when its stdin, a pipe from here,
 closes). Monarch starts each proc as a command (`procs.bootstrap_command`); given the
-server's socket in `proc_main.FORK_ENV`, that command (`proc_main.run`) calls `launch`,
-which hands the server its stdin, stdout and stderr, its environment, working directory,
-`sys.path` and argv. The server forks a child that takes them and runs Monarch's bootstrap
-module as the command would have. The command stays as the child's stand-in for whoever
-started it: it forwards the signals it can catch and exits as the child exits (its exit
-code, or killed by its signal). If the command is killed, the server kills its child; if
-the server dies, each command kills its child.
+server's socket in `proc_main.FORK_ENV`, that command (`proc_main.run`) calls
+`proc_main.launch`, which hands the server its stdin, stdout and stderr, its environment,
+working directory, `sys.path` and argv. The server forks a child that takes them and runs
+Monarch's bootstrap module as the command would have. The command stays as the child's
+stand-in for whoever started it: it forwards the signals it can catch and exits as the child
+exits (its exit code, or killed by its signal). If the command is killed, the server kills
+its child; if the server dies, each command kills its child.
 
 The server imports no Monarch (each child does, after it took its own environment), and
 takes OMP_NUM_THREADS out of its own environment: OpenMP reads it once, as torch loads, so a
-child whose environment sets it gets it from `torch.set_num_threads`. GPU slot procs are
-not forked: CUDA_VISIBLE_DEVICES and torch_memory_saver's LD_PRELOAD must be in place when
-their process starts.
+child whose environment sets it gets it from `torch.set_num_threads`. GPU slot procs are not
+forked: CUDA_VISIBLE_DEVICES and torch_memory_saver's LD_PRELOAD must be in place when their
+process starts.
 """
 
 from __future__ import annotations
@@ -37,11 +37,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from colocate.resources.proc_main import HEADER, STDIO, run, send_signal
+
 PRELOAD = ("torch", "torch.distributed.tensor")  # what every proc imports, at ~2 s of CPU
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-             signal.SIGUSR2)
-_STDIO = 3  # stdin, stdout, stderr: passed with each request
-_HEADER = struct.Struct("!Q")  # a request's length; an answer: a pid, then a wait status
 
 _server: subprocess.Popen | None = None
 _path = ""
@@ -64,62 +62,6 @@ def address() -> str:
                                    "set COLOCATE_FORK_SERVER=0 to start each proc on its own")
             time.sleep(0.01)
     return _path
-
-
-# ---- the command's side ----
-
-
-def launch(path: str, module: str) -> int | None:
-    """Run `module` as this process's main module in a child of the fork server at `path`,
-    standing in for it (see module); returns its exit code, or ends by its signal. None:
-    the server cannot be reached, and nothing was started."""
-    request = json.dumps({"module": module, "env": dict(os.environ), "cwd": os.getcwd(),
-                          "path": sys.path, "argv": sys.argv}).encode()
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.connect(path)
-    except OSError as err:
-        print(f"colocate: no fork server at {path} ({err}): this proc starts on its own",
-              file=sys.stderr)
-        return None
-    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # held until the child has them
-    socket.send_fds(conn, [_HEADER.pack(len(request))], list(range(_STDIO)))
-    conn.sendall(request)
-    child = _read_number(conn)
-    for sig in FORWARDED:
-        signal.signal(sig, lambda sig, _frame: _signal(child, sig))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
-    try:
-        status = _read_number(conn)
-    except (EOFError, ConnectionError):  # the server died: no one is left to watch the child
-        _signal(child, signal.SIGKILL)
-        print(f"colocate: the fork server of proc {child} ended; proc killed", file=sys.stderr)
-        return 1
-    code = os.waitstatus_to_exitcode(status)
-    if code < 0:  # killed by a signal: so is its stand-in
-        if -code != signal.SIGKILL:
-            signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-        return 128 - code  # a signal whose default is not to end the process
-    return code
-
-
-def _signal(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, sig)
-
-
-def _read_number(conn: socket.socket) -> int:
-    data = b""
-    while len(data) < _HEADER.size:
-        chunk = conn.recv(_HEADER.size - len(data))
-        if not chunk:
-            raise EOFError("the fork server closed the connection")
-        data += chunk
-    return _HEADER.unpack(data)[0]
-
-
-# ---- the server's side ----
 
 
 @dataclass
@@ -181,7 +123,7 @@ def _serve(path: str) -> _Request:
                     children[child.pidfd] = children[conn.fileno()] = child
                     selector.register(child.pidfd, selectors.EVENT_READ)
                     selector.register(conn, selectors.EVENT_READ)
-                    conn.sendall(_HEADER.pack(pid))
+                    conn.sendall(HEADER.pack(pid))
                 elif (child := children.pop(key.fd, None)) is not None:  # it, or its command,
                     exited = key.fd == child.pidfd                        # ended
                     children.pop(child.conn.fileno() if exited else child.pidfd)
@@ -196,10 +138,10 @@ def _accept(listener: socket.socket) -> tuple[_Request | None, socket.socket]:
     conn, _ = listener.accept()
     conn.settimeout(30.0)  # a command sends its request as it connects
     try:
-        head, fds, _, _ = socket.recv_fds(conn, _HEADER.size, _STDIO)
+        head, fds, _, _ = socket.recv_fds(conn, HEADER.size, STDIO)
         body = b""
-        while len(body) < _HEADER.unpack(head)[0]:
-            body += conn.recv(_HEADER.unpack(head)[0] - len(body)) or _eof()
+        while len(body) < HEADER.unpack(head)[0]:
+            body += conn.recv(HEADER.unpack(head)[0] - len(body)) or _eof()
         fields = json.loads(body)
     except (OSError, EOFError, ValueError, struct.error) as err:
         print(f"colocate fork server: a bad request ({err})", file=sys.stderr)
@@ -217,11 +159,11 @@ def _finish(child: _Child, selector: selectors.BaseSelector, exited: bool) -> No
     """The child ended (`exited`): tell its command how; or its command ended first: kill
     the child. Either way, reap it."""
     if not exited:
-        _signal(child.pid, signal.SIGKILL)
+        send_signal(child.pid, signal.SIGKILL)
     _, status = os.waitpid(child.pid, 0)
     if exited:
         with contextlib.suppress(OSError):
-            child.conn.sendall(_HEADER.pack(status))
+            child.conn.sendall(HEADER.pack(status))
     selector.unregister(child.pidfd)
     selector.unregister(child.conn)
     child.close()
@@ -253,8 +195,6 @@ def _become(request: _Request) -> None:
         import torch
 
         torch.set_num_threads(int(request.env["OMP_NUM_THREADS"]))
-    from colocate.resources.proc_main import run
-
     run(request.module)
 
 
