@@ -22,11 +22,11 @@ from typing import Any
 from monarch.actor import Actor, endpoint
 
 from bench.common import announce
+from colocate.resources.manager import FORK_PROCS_ENV
 from colocate.resources.packing import ResourceRequest
-from colocate.resources.proc_main import FORK_ENV
 from colocate.testing import start_runtime
 
-WAYS = {"forked": None, "own start": "0"}  # FORK_ENV's value for each
+WAYS = {"forked": None, "own start": "0"}  # FORK_PROCS_ENV's value for each
 
 
 class CpuProbe(Actor):
@@ -60,9 +60,9 @@ async def measure(procs: int, rounds: int) -> dict[str, dict[str, float]]:
     for index in range(rounds):
         for way, value in WAYS.items():
             if value is None:
-                os.environ.pop(FORK_ENV, None)
+                os.environ.pop(FORK_PROCS_ENV, None)
             else:
-                os.environ[FORK_ENV] = value
+                os.environ[FORK_PROCS_ENV] = value
             runs[way].append(await one_start(procs))
             print(f"round {index + 1}/{rounds} {way}: " + ", ".join(
                 f"{k} {v:.2f}" for k, v in runs[way][-1].items()), flush=True)

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from colocate.resources import zygote
+from colocate.resources.manager import FORK_PROCS_ENV
 from colocate.resources.packing import ResourceRequest
 from colocate.resources.proc_main import FORK_ENV
 from colocate.testing import start_runtime
@@ -126,7 +127,7 @@ async def test_a_runtime_on_this_machine_forks_its_procs_unless_told_not_to(monk
         await rm.allocate(request, owner="a")
         assert {psutil.Process(pid).ppid() for pid in rm.group("g").pids} == {
             zygote._server.pid}
-    monkeypatch.setenv(FORK_ENV, "0")
+    monkeypatch.setenv(FORK_PROCS_ENV, "0")
     async with start_runtime(gpus_per_host=2) as rm:
         await rm.allocate(request, owner="a")
         assert zygote._server.pid not in {psutil.Process(pid).ppid()

@@ -47,9 +47,10 @@ from colocate.resources.in_place import InPlaceCopier
 from colocate.resources.listener import Listener
 from colocate.resources.lost_hosts import LostHosts
 from colocate.resources.packing import Inventory, ResourceError, ResourceRequest
-from colocate.resources.proc_main import FORK_ENV
 from colocate.resources.spawning import Spawns
 from colocate.resources.switching import Switchboard
+
+FORK_PROCS_ENV = "COLOCATE_FORK_PROCS"  # "0": each proc starts on its own, never forked
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,8 +66,8 @@ def documented_by(part: Callable[..., Any]) -> Callable[[F], F]:
 
 def fork_server(job: HostJob, virtual: bool) -> str | None:
     """Where this runtime's procs are forked from (`zygote`): this process's fork server
-    when its one host is this machine and has no GPUs, unless COLOCATE_FORK_SERVER=0."""
-    if job.scheduler != "local" or not virtual or os.environ.get(FORK_ENV) == "0":
+    when its one host is this machine and has no GPUs, unless COLOCATE_FORK_PROCS=0."""
+    if job.scheduler != "local" or not virtual or os.environ.get(FORK_PROCS_ENV) == "0":
         return None
     return zygote.address()
 

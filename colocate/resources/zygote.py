@@ -59,7 +59,7 @@ def address() -> str:
             if _server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the fork server for this process's procs did not start "
                                    f"(exit code {_server.poll()}); see its error above, or "
-                                   "set COLOCATE_FORK_SERVER=0 to start each proc on its own")
+                                   "set COLOCATE_FORK_PROCS=0 to start each proc on its own")
             time.sleep(0.01)
     return _path
 
