@@ -72,9 +72,14 @@ def launch(path: str, module: str) -> int | None:
               file=sys.stderr)
         return None
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # held until the child has them
-    socket.send_fds(conn, [HEADER.pack(len(request))], list(range(STDIO)))
-    conn.sendall(request)
-    child = _read_number(conn)
+    try:
+        socket.send_fds(conn, [HEADER.pack(len(request))], list(range(STDIO)))
+        conn.sendall(request)
+        child = _read_number(conn)
+    except (EOFError, OSError) as err:  # it could not fork, or died: was a child started?
+        print(f"colocate: the fork server at {path} did not start this proc ({err}); "
+              "COLOCATE_FORK_PROCS=0 starts each proc on its own", file=sys.stderr)
+        return 1
     for sig in FORWARDED:
         signal.signal(sig, lambda sig, _frame: send_signal(child, sig))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)

@@ -111,7 +111,12 @@ def _serve(path: str) -> _Request:
                     request, conn = _accept(listener)
                     if request is None:
                         continue
-                    pid = os.fork()
+                    try:
+                        pid = os.fork()
+                    except OSError as err:  # its command ends with an error
+                        print(f"colocate fork server: cannot fork ({err})", file=sys.stderr)
+                        conn.close()
+                        continue
                     if pid == 0:
                         for child in _each(children):
                             child.close()
