@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 
 from colocate.resources.proc_main import HEADER, STDIO, run, send_signal
@@ -112,7 +113,11 @@ def _serve(path: str) -> _Request:
                     if request is None:
                         continue
                     try:
-                        pid = os.fork()
+                        with warnings.catch_warnings():  # Python 3.12+ warns of any thread
+                            # (gh-100228); the one here is OpenBLAS's pool, which its own
+                            # pthread_atfork handler stops before a fork
+                            warnings.simplefilter("ignore", DeprecationWarning)
+                            pid = os.fork()
                     except OSError as err:  # its command ends with an error
                         print(f"colocate fork server: cannot fork ({err})", file=sys.stderr)
                         conn.close()
@@ -142,6 +147,7 @@ def _each(children: dict[int, _Child]) -> list[_Child]:
 def _accept(listener: socket.socket) -> tuple[_Request | None, socket.socket]:
     conn, _ = listener.accept()
     conn.settimeout(30.0)  # a command sends its request as it connects
+    fds: list[int] = []
     try:
         head, fds, _, _ = socket.recv_fds(conn, HEADER.size, STDIO)
         body = b""
@@ -150,6 +156,8 @@ def _accept(listener: socket.socket) -> tuple[_Request | None, socket.socket]:
         fields = json.loads(body)
     except (OSError, EOFError, ValueError, struct.error) as err:
         print(f"colocate fork server: a bad request ({err})", file=sys.stderr)
+        for fd in fds:
+            os.close(fd)
         conn.close()
         return None, conn
     conn.settimeout(None)
