@@ -19,17 +19,18 @@ import time
 
 import psutil
 
+from colocate.resources.manager import ResourceManager
+from colocate.resources.procs import ProcProbe
 from colocate.testing import MemoryTenant, start_runtime
 from services import ReplicaLostError, ServiceConfig, spawn_service
 
 IDLE_S = 20.0
 
 
-def arbiter_procs() -> list[psutil.Process]:
-    """The Monarch procs of this runtime that are not slot procs: the arbiters'."""
-    return [child for child in psutil.Process().children(recursive=True)
-            if "COLOCATE_SLOT" not in child.environ()
-            and "bootstrap" in " ".join(child.cmdline())]
+async def arbiter_procs(rm: ResourceManager) -> list[psutil.Process]:
+    """The processes of this runtime's arbiter procs, as they tell their pids."""
+    probe = rm.arbiter_procs.spawn("probe", ProcProbe)
+    return [psutil.Process(info["pid"]) for _, info in (await probe.info.call()).items()]
 
 
 def cpu_s(procs: list[psutil.Process]) -> float:
@@ -37,10 +38,10 @@ def cpu_s(procs: list[psutil.Process]) -> float:
 
 
 async def main(n: int) -> None:
-    async with start_runtime(gpus_per_host=2):
+    async with start_runtime(gpus_per_host=2) as rm:
         services = [await spawn_service(ServiceConfig(num_replicas=2, resource_group="g"),
                                         MemoryTenant, 1, name=f"s{i}") for i in range(2)]
-        procs = arbiter_procs()
+        procs = await arbiter_procs(rm)
         before = cpu_s(procs)
         await asyncio.sleep(IDLE_S)
         used = cpu_s(procs) - before

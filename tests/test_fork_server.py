@@ -82,7 +82,7 @@ def test_a_forked_proc_is_what_its_command_would_have_run(probe):
                        command(probe, None, PROBE_SAYS="hi", OMP_NUM_THREADS="1"))
     a, b = said(forked), said(started)
     assert (forked.wait(30), started.wait(30)) == (3, 3)  # its exit code, through its command
-    assert a["ppid"] == zygote._server.pid and a["pid"] != forked.pid and a["preloaded"]
+    assert a["ppid"] == zygote.server_pid() and a["pid"] != forked.pid and a["preloaded"]
     assert b["pid"] == started.pid and not b["preloaded"]
     for key in ("threads", "cwd", "said", "argv", "fork"):  # the server's own are not its
         assert a[key] == b[key], key
@@ -126,9 +126,9 @@ async def test_a_runtime_on_this_machine_forks_its_procs_unless_told_not_to(monk
     async with start_runtime(gpus_per_host=2) as rm:
         await rm.allocate(request, owner="a")
         assert {psutil.Process(pid).ppid() for pid in rm.group("g").pids} == {
-            zygote._server.pid}
+            zygote.server_pid()}
     monkeypatch.setenv(FORK_PROCS_ENV, "0")
     async with start_runtime(gpus_per_host=2) as rm:
         await rm.allocate(request, owner="a")
-        assert zygote._server.pid not in {psutil.Process(pid).ppid()
+        assert zygote.server_pid() not in {psutil.Process(pid).ppid()
                                           for pid in rm.group("g").pids}

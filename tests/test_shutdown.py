@@ -16,6 +16,7 @@ from faulty import FaultyTenant
 
 from colocate import phase
 from colocate.arbiter import ArbiterConfig
+from colocate.resources import zygote
 from colocate.resources.manager import ResourceManager
 from colocate.resources.packing import ResourceRequest
 from colocate.resources.start import init
@@ -31,7 +32,8 @@ STOPPED_WITHIN_S = 5.0  # after shutdown returns, every process it started is go
 
 
 def descendants() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    """This process's descendants but its fork server, which serves every runtime here."""
+    return {p.pid for p in psutil.Process().children(recursive=True)} - {zygote.server_pid()}
 
 
 def running(pids: set[int]) -> set[int]:

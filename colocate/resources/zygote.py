@@ -65,6 +65,12 @@ def address() -> str:
     return _path
 
 
+def server_pid() -> int | None:
+    """The pid of this process's fork server while it runs (it serves every runtime this
+    process starts, and outlives each)."""
+    return _server.pid if _server is not None and _server.poll() is None else None
+
+
 @dataclass
 class _Request:
     module: str
