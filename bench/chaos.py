@@ -55,6 +55,7 @@ import psutil
 
 from bench.common import announce
 from bench.recovery import COMPARED
+from colocate.resources import zygote
 
 SHAPES = {"one-slot": [], "two-slots": ["run.slots=2"], "reference": ["grpo.beta=0.1"],
           "vllm": ["run.engine=vllm", "run.slots=2"]}
@@ -310,8 +311,9 @@ def shm_files() -> set[str]:
 
 
 def children() -> set[int]:
-    """The pids of this process's child procs now (those before a run are not its)."""
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    """The pids of this process's child procs now (those before a run are not its), but its
+    fork server's, which serves every run here."""
+    return {p.pid for p in psutil.Process().children(recursive=True)} - {zygote.server_pid()}
 
 
 def leftovers(before: set[str], pids: set[int], older: set[int]) -> dict[str, list]:
@@ -322,7 +324,8 @@ def leftovers(before: set[str], pids: set[int], older: set[int]) -> dict[str, li
     from colocate.shm_files import recorded
 
     def started() -> list[psutil.Process]:
-        return [p for p in psutil.Process().children(recursive=True) if p.pid not in older]
+        return [p for p in psutil.Process().children(recursive=True)
+                if p.pid not in older | {zygote.server_pid()}]
 
     deadline = time.monotonic() + 5
     while (procs := started()) and time.monotonic() < deadline:
