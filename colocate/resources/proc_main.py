@@ -36,7 +36,7 @@ _exit_code = 1  # what Python exits with after an uncaught exception
 
 def run(module: str, gpu_slot: bool = False) -> None:
     """Run `module` as this proc's main module; with `gpu_slot`, on its slot's GPU; given a
-    fork server (`zygote.FORK_ENV`), in a child of it that this process stands in for."""
+    fork server (`FORK_ENV`), in a child of it that this process stands in for."""
     global _exit_code
     atexit.register(_exit_now)  # registered first, so it runs after every other callback
     fork_server = os.environ.pop(FORK_ENV, None)
@@ -61,7 +61,8 @@ def launch(path: str, module: str) -> int | None:
     """Run `module` as this process's main module in a child of the fork server at `path`
     (`colocate.resources.zygote`), standing in for it: the signals in FORWARDED go to the
     child, and this process ends as the child does. Returns the child's exit code, or ends
-    by its signal; None: the server cannot be reached, and nothing was started."""
+    by its signal; 1 if the server took the request but started no child it named; None:
+    the server cannot be reached, and nothing was started."""
     request = json.dumps({"module": module, "env": dict(os.environ), "cwd": os.getcwd(),
                           "path": sys.path, "argv": sys.argv}).encode()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -99,6 +100,7 @@ def launch(path: str, module: str) -> int | None:
 
 
 def send_signal(pid: int, sig: int) -> None:
+    """`sig` to `pid`, unless it has ended already."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
 
