@@ -105,14 +105,19 @@ def send_signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
 
 
-def _read_number(conn: socket.socket) -> int:
+def read_exactly(conn: socket.socket, size: int) -> bytes:
+    """`size` bytes from `conn`; EOFError if the other end closes first."""
     data = b""
-    while len(data) < HEADER.size:
-        chunk = conn.recv(HEADER.size - len(data))
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
         if not chunk:
-            raise EOFError("the fork server closed the connection")
+            raise EOFError("the other end closed the connection")
         data += chunk
-    return HEADER.unpack(data)[0]
+    return data
+
+
+def _read_number(conn: socket.socket) -> int:
+    return HEADER.unpack(read_exactly(conn, HEADER.size))[0]
 
 
 def _exit_now() -> None:

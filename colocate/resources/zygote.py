@@ -38,7 +38,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from colocate.resources.proc_main import HEADER, STDIO, run, send_signal
+from colocate.resources.proc_main import HEADER, STDIO, read_exactly, run, send_signal
 
 PRELOAD = ("torch", "torch.distributed.tensor")  # what every proc imports, at ~2 s of CPU
 
@@ -156,10 +156,7 @@ def _accept(listener: socket.socket) -> tuple[_Request | None, socket.socket]:
     fds: list[int] = []
     try:
         head, fds, _, _ = socket.recv_fds(conn, HEADER.size, STDIO)
-        body = b""
-        while len(body) < HEADER.unpack(head)[0]:
-            body += conn.recv(HEADER.unpack(head)[0] - len(body)) or _eof()
-        fields = json.loads(body)
+        fields = json.loads(read_exactly(conn, HEADER.unpack(head)[0]))
     except (OSError, EOFError, ValueError, struct.error) as err:
         print(f"colocate fork server: a bad request ({err})", file=sys.stderr)
         for fd in fds:
@@ -168,10 +165,6 @@ def _accept(listener: socket.socket) -> tuple[_Request | None, socket.socket]:
         return None, conn
     conn.settimeout(None)
     return _Request(**fields, stdio=fds), conn
-
-
-def _eof() -> bytes:
-    raise EOFError("the command closed its connection mid-request")
 
 
 def _finish(child: _Child, selector: selectors.BaseSelector, exited: bool) -> None:
