@@ -341,6 +341,32 @@ def test_a_backup_saves_the_storages_bytes_not_the_huge_page_padding(tmp_path):
     assert backend.arenas["padded"].backup is None
 
 
+def test_a_tags_next_backup_to_disk_rewrites_its_last_file_and_to_host_lets_it_go(tmp_path):
+    from colocate.memory.arena import ArenaBackend
+    from colocate.memory.registry import TagRegistry
+
+    registry = TagRegistry()
+    backend = registry._backends["cpu"] = ArenaBackend(backup_dir=str(tmp_path))
+    t = _filled(3 * MiB, seed=12)
+    registry.adopt(t, "again", backup=True)
+    arena = backend.arenas["again"]
+    registry.pause("again", place="disk")
+    first = arena.backup
+    registry.resume("again")
+    assert arena.spare is first and not first.file.closed  # kept, not closed
+    t.add_(1)  # the next backup must hold these bytes, not the file's old ones
+    digest = _digest(t)
+    registry.pause("again", place="disk")
+    assert arena.backup is first  # the same file, rewritten
+    registry.resume("again")
+    assert _digest(t) == digest
+    spare = arena.spare
+    registry.pause("again", place="host")
+    assert arena.spare is None and spare.file.closed  # the disk file is let go
+    registry.resume("again")
+    assert _digest(t) == digest
+
+
 def test_failed_backup_leaves_the_tag_active_and_intact(tmp_path, monkeypatch):
     from colocate.memory.arena import ArenaBackend
     from colocate.memory.registry import TagRegistry

@@ -4,7 +4,9 @@
 tensors to it (`colocate.memory.repoint`: a data-pointer swap, so every view follows, or
 on torch 2.11 `Tensor.set_` on each tensor found). `pause` copies the mappings to the
 place asked (`backups.py`): a host buffer of exactly their bytes, or an unlinked file in
-the backup directory; or, without backup or to `DROP`, keeps nothing. It
+the backup directory (kept after the resume for the tag's next pause to disk: rewriting a
+file's blocks costs about half what writing a new file's does, and varies less); or,
+without backup or to `DROP`, keeps nothing. It
 `MADV_DONTNEED`s each piece of `PIECE` bytes as soon as it is copied, so a stage is never
 held twice in host memory beyond one piece. `resume` copies the backup back into the same
 addresses, or faults in zeroed pages, so `data_ptr()` is the same before and after.
@@ -16,7 +18,6 @@ import mmap
 import os
 import tempfile
 import weakref
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -89,6 +90,7 @@ class Copy:
 
     def __init__(self, nbytes: int, directory: str | None = None) -> None:
         self.nbytes = nbytes
+        self.directory = directory
         self.place = HOST if directory is None else DISK
         self.file = None if directory is None else tempfile.TemporaryFile(dir=directory)
         self.fd = os.memfd_create("colocate-backup", os.MFD_CLOEXEC) if self.file is None \
@@ -108,11 +110,14 @@ class Copy:
 
 
 class TagArena:
-    """The chunks of one tag and, while it is paused with backup, their backup."""
+    """The chunks of one tag and, while it is paused with backup, their backup; after a
+    backup on disk is read back, its file (`spare`), which the next backup to the same
+    directory rewrites."""
 
     def __init__(self) -> None:
         self.chunks: list[weakref.ref[Chunk]] = []
         self.backup: Copy | None = None
+        self.spare: Copy | None = None
 
     def live_chunks(self) -> list[Chunk]:
         live = [chunk for chunk in (ref() for ref in self.chunks) if chunk is not None]
@@ -138,12 +143,14 @@ class TagArena:
         self.chunks.append(weakref.ref(chunk))
         return moved
 
-    def pause(self, place: str, make: Callable[[int], Copy]) -> int:
-        """Release the chunks, first copied into `make(bytes)` unless `place` is `DROP`;
-        returns the bytes the backup holds."""
+    def pause(self, place: str, directory: str | None) -> int:
+        """Release the chunks, first copied into a backup unless `place` is `DROP` (in
+        host memory, or a file in `directory` for `DISK`); returns the bytes it holds."""
         chunks = self.live_chunks()
         if place != DROP:
-            self.backup = _save(chunks, make(sum(c.used for c in chunks)))
+            nbytes = sum(c.used for c in chunks)
+            self.backup = _save(chunks, self._copy(nbytes, directory if place == DISK
+                                                   else None))
         for chunk in chunks:
             chunk.release()
         return 0 if self.backup is None else self.backup.nbytes
@@ -162,8 +169,21 @@ class TagArena:
             with memoryview(chunk) as view:
                 backup.read(view[:chunk.used], offset)
             offset += chunk.used
-        backup.close()
+        if backup.place == DISK:
+            self.spare = backup
+        else:
+            backup.close()
         return backup.nbytes
+
+    def _copy(self, nbytes: int, directory: str | None) -> Copy:
+        """A backup of `nbytes`: the spare file if it is in `directory`, else a new one."""
+        spare, self.spare = self.spare, None
+        if spare is not None and directory is not None and spare.directory == directory:
+            spare.nbytes = nbytes
+            return spare
+        if spare is not None:
+            spare.close()
+        return Copy(nbytes, directory)
 
 
 def _save(chunks: list[Chunk], backup: Copy) -> Copy:
@@ -233,8 +253,7 @@ class ArenaBackend:
               storages: list[torch.UntypedStorage] | None = None) -> None:
         """Pause to `place` (`backups.py`). The arena knows its tag's chunks: `storages`
         are not needed here."""
-        directory = None if place == HOST else self.directory()
-        self.count.add(place, self._arena(tag).pause(place, lambda n: Copy(n, directory)))
+        self.count.add(place, self._arena(tag).pause(place, self.directory()))
 
     def resume(self, tag: str, nbytes: int = 0, device: int | None = None) -> None:
         arena = self._arena(tag)

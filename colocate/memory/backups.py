@@ -8,8 +8,9 @@ chooses (the arbiter, per switch, from its host's memory budget:
   rounded up to a power of two), freed at the resume; on CUDA the tag's pinned buffer
   (`pinned.py`, exact sizes too, held for the process's life).
 - `DISK`: an unlinked file in the backup directory (`set_backup_dir`, else
-  `$COLOCATE_BACKUP_DIR`, else the system temp dir), read back at the resume. Put it on a
-  disk, not tmpfs, or the bytes stay in RAM. CPU tags only.
+  `$COLOCATE_BACKUP_DIR`, else the system temp dir), read back at the resume and kept for
+  the tag's next backup to disk, which rewrites it. Put it on a disk, not tmpfs, or the
+  bytes stay in RAM. CPU tags only.
 - `DROP`: nothing is kept (what a tag without backup always does): the tag's owner refills
   it (a generator's weights that the next sync rewrites).
 
