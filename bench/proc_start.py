@@ -22,8 +22,8 @@ from typing import Any
 from monarch.actor import Actor, endpoint
 
 from bench.common import announce
-from colocate.resources.manager import FORK_PROCS_ENV
 from colocate.resources.packing import ResourceRequest
+from colocate.resources.zygote import FORK_PROCS_ENV
 from colocate.testing import start_runtime
 
 WAYS = {"forked": None, "own start": "0"}  # FORK_PROCS_ENV's value for each

@@ -17,9 +17,9 @@ import psutil
 import pytest
 
 from colocate.resources import zygote
-from colocate.resources.manager import FORK_PROCS_ENV
 from colocate.resources.packing import ResourceRequest
 from colocate.resources.proc_main import FORK_ENV
+from colocate.resources.zygote import FORK_PROCS_ENV
 from colocate.testing import start_runtime
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,6 +12,7 @@ import pytest
 from monarch.actor import ActorError
 
 from colocate.arbiter import SwitchError
+from colocate.resources import zygote
 from colocate.resources.listener import Listener
 from colocate.resources.packing import ResourceError, ResourceRequest, ResourceValueError
 from colocate.resources.procs import ProcProbe
@@ -165,6 +166,15 @@ async def test_switches_across_two_hosts(scheduler):
         a, b = await two_tenants(rm, hosts=2, procs=2, mib=32)
         assert sorted(rm.slots_of("b")) == [(0, 0), (0, 1), (1, 0), (1, 1)]
         await switch_and_check(rm, a, b, mib=32)
+        # forked, not started on their own: from this process's fork server for the
+        # "processes" hosts (on this machine), from each host's own for colocate's workers
+        servers = {psutil.Process(pid).parent() for pid in rm.group("rl").pids}
+        if scheduler == "processes":
+            assert {s.pid for s in servers} == {zygote.server_pid()}
+        else:
+            assert len(servers) == 2 and all(
+                "colocate.resources.zygote" in s.cmdline()
+                and "colocate.resources.worker" in s.parent().cmdline() for s in servers)
 
 
 async def test_phase_wakes_for_its_block_in_both_forms(colocate_runtime):

@@ -47,10 +47,10 @@ from colocate.resources.in_place import InPlaceCopier
 from colocate.resources.listener import Listener
 from colocate.resources.lost_hosts import LostHosts
 from colocate.resources.packing import Inventory, ResourceError, ResourceRequest
+from colocate.resources.proc_main import HOST
 from colocate.resources.spawning import Spawns
 from colocate.resources.switching import Switchboard
-
-FORK_PROCS_ENV = "COLOCATE_FORK_PROCS"  # "0": each proc starts on its own, never forked
+from colocate.resources.zygote import FORK_PROCS_ENV
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,11 +65,14 @@ def documented_by(part: Callable[..., Any]) -> Callable[[F], F]:
 
 
 def fork_server(job: HostJob, virtual: bool) -> str | None:
-    """Where this runtime's procs are forked from (`zygote`): this process's fork server
-    when its one host is this machine and has no GPUs, unless COLOCATE_FORK_PROCS=0."""
-    if job.scheduler != "local" or not virtual or os.environ.get(FORK_PROCS_ENV) == "0":
+    """Where this runtime's procs are forked from (`zygote`), when its hosts have no GPUs
+    and COLOCATE_FORK_PROCS is not "0": on this machine (the "local" and "processes"
+    hosts), this process's fork server; on hosts whose worker is colocate's
+    (`colocate.resources.worker`: Slurm, torchx), the fork server each host's worker
+    started; elsewhere (a Monarch job's own workers) nowhere: each proc starts on its own."""
+    if not virtual or os.environ.get(FORK_PROCS_ENV) == "0":
         return None
-    return zygote.address()
+    return zygote.address() if job.scheduler in ("local", "processes") else HOST
 
 
 class ResourceManager:

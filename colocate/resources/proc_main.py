@@ -4,14 +4,15 @@ fork server run it in a child that this process stands in for (`launch`).
 
 A GPU slot's proc first gets its GPU (`gpus.run_on_slot_gpu`). A proc given a fork server
 (`FORK_ENV`, see `colocate.resources.zygote`) hands it what the proc would have started
-with and forwards signals to the child until it ends. Every proc ends without the
-interpreter's teardown: once Monarch's bootstrap returned, non-daemon threads were joined and
-every atexit callback ran, the proc flushes its output and exits with the bootstrap's exit
-code. With torch loaded, the teardown's garbage collections are most of a proc's stop
-(py-spy finds the proc in `gc_collect_main` after its actors have stopped; figures:
-bench/RESULTS.md, "A proc's stop"), for memory the system takes back anyway. Freezing the
-heap (`gc.freeze`) would save the same time, but nanobind then prints its leak warnings at
-every exit.
+with and forwards signals to the child until it ends; given `HOST`, the fork server its
+host's worker started (`HOST_FORK_ENV`, inherited from the worker), where there is one.
+Every proc ends without the interpreter's teardown: once Monarch's bootstrap returned,
+non-daemon threads were joined and every atexit callback ran, the proc flushes its output
+and exits with the bootstrap's exit code. With torch loaded, the teardown's garbage
+collections are most of a proc's stop (py-spy finds the proc in `gc_collect_main` after
+its actors have stopped; figures: bench/RESULTS.md, "A proc's stop"), for memory the
+system takes back anyway. Freezing the heap (`gc.freeze`) would save the same time, but
+nanobind then prints its leak warnings at every exit.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import struct
 import sys
 
 FORK_ENV = "COLOCATE_FORK_SERVER"  # the socket of a fork server to start this proc from
+HOST = "host"  # FORK_ENV's value for the fork server of the proc's host, if it has one
+HOST_FORK_ENV = "COLOCATE_HOST_FORK_SERVER"  # that server's socket, set by the host's worker
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
 STDIO = 3  # stdin, stdout, stderr: passed to the fork server with each request
@@ -40,6 +43,8 @@ def run(module: str, gpu_slot: bool = False) -> None:
     global _exit_code
     atexit.register(_exit_now)  # registered first, so it runs after every other callback
     fork_server = os.environ.pop(FORK_ENV, None)
+    if fork_server == HOST:
+        fork_server = os.environ.get(HOST_FORK_ENV)
     try:
         if fork_server and not gpu_slot:
             code = launch(fork_server, module)

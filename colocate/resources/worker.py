@@ -13,6 +13,12 @@ With `--parent-pid`, the worker exits when that process is gone (local runs: no 
 the client dies without stopping its hosts). With `--slurm` (one task per node of a Slurm
 job, see `colocate.resources.slurm_hosts`), H is the node's Slurm name ($SLURMD_NODENAME)
 and the service rank the node's index in the job ($SLURM_NODEID).
+
+On a host without GPUs the worker starts a fork server (`colocate.resources.zygote`) and
+names its socket in its environment (`proc_main.HOST_FORK_ENV`), which the procs Monarch
+starts here inherit: those the client asks to be forked on their host (`proc_main.HOST`)
+are, instead of each importing torch. It ends with the worker. COLOCATE_FORK_PROCS=0 in the
+worker's environment turns it off.
 """
 
 from __future__ import annotations
@@ -48,6 +54,16 @@ def _exit_with(parent_pid: int, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def _serve_forks() -> None:
+    """Start this host's fork server, unless the host has GPUs or forking is off."""
+    from colocate.resources.gpus import gpus_per_host
+    from colocate.resources.proc_main import HOST_FORK_ENV
+    from colocate.resources.zygote import FORK_PROCS_ENV, address
+
+    if os.environ.get(FORK_PROCS_ENV) != "0" and not gpus_per_host():
+        os.environ[HOST_FORK_ENV] = address()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default=None, help="address to serve on (default: FQDN)")
@@ -67,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     address = worker_address(host or socket.getfqdn(), args.port_base + args.replica_id)
     if args.parent_pid is not None:
         _exit_with(args.parent_pid)
+    _serve_forks()
     print(f"colocate worker pid {os.getpid()} serving on {address}", flush=True)
 
     from monarch.actor import run_worker_loop_forever

@@ -5,8 +5,10 @@ starts in a fraction of the CPU time an interpreter spends importing torch
 
 `address()` starts this process's fork server (`python -m colocate.resources.zygote PATH`)
 on first use; it lives as long as this process (it ends when its stdin, a pipe from here,
-closes). Monarch starts each proc as a command (`procs.bootstrap_command`); given the
-server's socket in `proc_main.FORK_ENV`, that command (`proc_main.run`) calls
+closes). The client's is for procs on its own machine; a host's worker
+(`colocate.resources.worker`) starts one for its host's procs. Monarch starts each proc as
+a command (`procs.bootstrap_command`); given the server's socket in `proc_main.FORK_ENV`
+(or `proc_main.HOST`: its host's), that command (`proc_main.run`) calls
 `proc_main.launch`, which hands the server its stdin, stdout and stderr, its environment,
 working directory, `sys.path` and argv. The server forks a child that takes them and runs
 Monarch's bootstrap module as the command would have. The command stays as the child's
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 
 from colocate.resources.proc_main import HEADER, STDIO, read_exactly, run, send_signal
 
+FORK_PROCS_ENV = "COLOCATE_FORK_PROCS"  # "0": each proc starts on its own, never forked
 PRELOAD = ("torch", "torch.distributed.tensor")  # what every proc imports, at ~2 s of CPU
 
 _server: subprocess.Popen | None = None
