@@ -73,6 +73,16 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             for arch, options in MODELS.items()}
 
 
+@pytest.fixture(scope="session")
+def vllm_preloaded() -> None:
+    """Procs forked from now on (by this process's fork server) start with vLLM's engine
+    modules imported, as a run with run.engine=vllm has them (`zygote.preload`)."""
+    from colocate.engines.actors import ENGINE_MODULES
+    from colocate.resources import zygote
+
+    zygote.preload(*ENGINE_MODULES["vllm"])
+
+
 @pytest.fixture(scope="module")
 def procs_import_tests() -> Iterator[None]:
     """Procs unpickle actors and functions defined in test modules (`test_x.Probe`): put

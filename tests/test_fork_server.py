@@ -28,13 +28,15 @@ PROBE = '''
 import json, os, signal, sys, time
 from colocate.resources.proc_main import FORK_ENV
 preloaded = "torch" in sys.modules
+extra = [m for m in os.environ.get("PROBE_PRELOADED", "").split(",") if m in sys.modules]
 import torch
 if os.environ.get("PROBE_SLEEPS"):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(15))  # a proc's graceful stop
 print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "preloaded": preloaded,
                   "threads": torch.get_num_threads(), "cwd": os.getcwd(),
                   "said": os.environ.get("PROBE_SAYS"), "fork": os.environ.get(FORK_ENV),
-                  "argv": sys.argv}), flush=True)
+                  "argv": sys.argv, "extra": extra,
+                  "set_by_import": os.environ.get("PROBE_SET_BY_IMPORT")}), flush=True)
 if os.environ.get("PROBE_SLEEPS"):
     time.sleep(60)
 sys.exit(3)
@@ -113,6 +115,42 @@ def test_the_forks_of_a_server_that_ends_are_killed(probe, tmp_path):
     server.stdin.close()  # as when the process that started it ends
     assert proc.wait(30) == 1 and "fork server" in proc.stderr.read()
     assert gone(fork) and server.wait(30) == 0 and not Path(path).exists()
+
+
+def test_what_a_server_is_told_to_preload_later_forks_have_imported(probe, tmp_path):
+    (probe / "sets_env.py").write_text(
+        "import os\nos.environ['PROBE_SET_BY_IMPORT'] = 'imported'\n")
+    path = str(tmp_path / "socket")
+    env = {**os.environ, "PYTHONPATH": f"{probe}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    server = subprocess.Popen([sys.executable, "-m", "colocate.resources.zygote", path,
+                               "colorsys"], stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=env)
+    try:
+        while not Path(path).exists():  # bound as it starts
+            time.sleep(0.01)
+        asked = {"PROBE_PRELOADED": "colorsys,wave,sets_env"}
+        first = command(probe, path, **asked)
+        assert said(first)["extra"] == ["colorsys"] and first.wait(30) == 3
+        server.stdin.write(b"no_such_module\nwave\nsets_")  # as `preload` sends them,
+        server.stdin.flush()                                  # a line cut in two
+        time.sleep(0.5)
+        server.stdin.write(b"env\n")
+        server.stdin.flush()
+        deadline = time.monotonic() + 30
+        while True:  # the server reads its stdin between requests
+            later = command(probe, path, **asked)
+            got = said(later)
+            assert later.wait(30) == 3
+            if len(got["extra"]) == 3 or time.monotonic() > deadline:
+                break
+        assert got["extra"] == ["colorsys", "wave", "sets_env"]
+        assert got["set_by_import"] == "imported"  # what the import set, the fork has
+        mine = command(probe, path, PROBE_SET_BY_IMPORT="mine", **asked)
+        assert said(mine)["set_by_import"] == "mine" and mine.wait(30) == 3  # its own wins
+    finally:
+        server.stdin.close()
+        assert server.wait(30) == 0
+    assert "cannot preload no_such_module" in server.stderr.read().decode()
 
 
 def test_without_a_server_the_command_starts_the_proc_itself(probe, tmp_path):

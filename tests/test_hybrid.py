@@ -21,7 +21,8 @@ from services import ServiceConfig, spawn_service, sync_weights  # noqa: E402
 from services.errors import ServiceUnavailableError  # noqa: E402
 from services.replica import ReplicaState  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("procs_import_tests")]
+pytestmark = [pytest.mark.timeout(600),
+              pytest.mark.usefixtures("vllm_preloaded", "procs_import_tests")]
 
 # char ids of the tiny model: 0 pad, 1 bos, 2 eos, then "0123456789+=>"
 PROMPTS = [[1, 4, 5, 13, 6, 7, 14], [1, 10, 15], [1, 12, 3, 8, 13, 4, 14], [1, 5, 5]]

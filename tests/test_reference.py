@@ -26,7 +26,8 @@ from examples.rl_loop.loop import Loop
 from examples.rl_loop.memory import resident_per_proc
 from services import ServiceConfig, spawn_service, sync_weights
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("procs_import_tests")]
+pytestmark = [pytest.mark.timeout(600),
+              pytest.mark.usefixtures("vllm_preloaded", "procs_import_tests")]
 
 ROOT = Path(__file__).resolve().parents[1]
 # char ids of the tiny models: 0 pad, 1 bos, 2 eos, then "0123456789+=>"

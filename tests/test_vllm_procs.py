@@ -27,7 +27,8 @@ from colocate.shm_files import recorded  # noqa: E402
 from services import ServiceConfig, spawn_service  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600),
-              pytest.mark.usefixtures("procs_import_tests", "vllm_makes_shm_files")]
+              pytest.mark.usefixtures("vllm_preloaded", "procs_import_tests",
+                                      "vllm_makes_shm_files")]
 
 PROMPTS = [[1, 4, 5, 13, 6, 7, 14], [1, 10, 15]]
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0)

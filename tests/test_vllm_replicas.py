@@ -23,7 +23,7 @@ from examples.rl_loop.hooks import Hooks  # noqa: E402
 from examples.rl_loop.loop import Loop  # noqa: E402
 from examples.rl_loop.runtime import model_dir  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("vllm_preloaded")]
 
 PER_COPY = ["run.engine=vllm", "generator.replicas=per_copy", "run.slots=2",
             "run.colocate=false"]

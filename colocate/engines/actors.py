@@ -45,6 +45,10 @@ from colocate.engines.weights import (
 )
 
 ENGINES = ("torch", "vllm")
+# what a proc imports to start each engine, beyond torch, for the procs' fork server to
+# import once (`colocate.resources.zygote.preload`; bench/RESULTS.md, "A proc's start")
+ENGINE_MODULES = {"torch": (), "vllm": ("colocate.engines.vllm_generator",
+                                        "vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker")}
 
 
 class TrainerActor(TenantActor):

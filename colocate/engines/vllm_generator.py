@@ -68,6 +68,7 @@ from colocate.engines.vllm_start import (
     context_proxies_hidden,
     data_parallel_rank,
     engine_ranks,
+    logging_from_environment,
     no_teardown_at_exit,
 )
 from colocate.engines.vllm_stepping import Call, EngineStepper, step_threads
@@ -117,6 +118,7 @@ class VLLMGenerator:
             os.environ[IDENT_ENV] = f"{prefix}-{os.environ.get('MASTER_PORT', os.getpid())}"
         settings.update(llm_kwargs)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        logging_from_environment()
         set_num_threads = torch.set_num_threads
         with context_proxies_hidden():
             self.llm = vllm.LLM(**settings)

@@ -14,6 +14,16 @@ import torch
 import vllm
 
 
+def logging_from_environment() -> None:
+    """Configure vLLM's logging from this process's environment (VLLM_LOGGING_LEVEL, ...).
+    vLLM does it once, as it is imported; a proc forked from a fork server that imported
+    vLLM (`actors.ENGINE_MODULES`) has the server's configuration, not its own, until this
+    runs."""
+    from vllm.logger import _configure_vllm_root_logger
+
+    _configure_vllm_root_logger()  # re-reads the environment: "in case env vars changed"
+
+
 def engine_ranks(llm_kwargs: dict[str, Any], config: dict[str, Any]) -> int:
     """The engine's ranks (tensor x data parallel), checked before vLLM starts: against
     the model's heads, and against this process's torch.distributed world. A replica that

@@ -16,7 +16,10 @@ stand-in for whoever started it: it forwards the signals it can catch and exits 
 exits (its exit code, or killed by its signal). If the command is killed, the server kills
 its child; if the server dies, each command kills its child.
 
-The server imports no Monarch (each child does, after it took its own environment), and
+Beyond torch, the server imports what `preload` names (a vLLM engine's modules, for runs
+that start one); what those imports set in the environment, each child sets too unless its
+own environment does. The server imports no Monarch (each child does, after it took its
+own environment), and
 takes OMP_NUM_THREADS out of its own environment: OpenMP reads it once, as torch loads, so a
 child whose environment sets it gets it from `torch.set_num_threads`. GPU slot procs are not
 forked: CUDA_VISIBLE_DEVICES and torch_memory_saver's LD_PRELOAD must be in place when their
@@ -47,6 +50,8 @@ PRELOAD = ("torch", "torch.distributed.tensor")  # what every proc imports, at ~
 
 _server: subprocess.Popen | None = None
 _path = ""
+_preloads: list[str] = []  # what `preload` asked for, in order
+_set_by_imports: dict[str, str] = {}  # in the server: what the imports put in os.environ
 
 
 def address() -> str:
@@ -56,7 +61,7 @@ def address() -> str:
     if _server is None or _server.poll() is not None:
         _path = os.path.join(tempfile.mkdtemp(prefix="colocate-fork-"), "socket")
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-        _server = subprocess.Popen([sys.executable, "-m", __name__, _path],
+        _server = subprocess.Popen([sys.executable, "-m", __name__, _path, *_preloads],
                                    stdin=subprocess.PIPE, env=env)
         deadline = time.monotonic() + 60.0
         while not os.path.exists(_path):  # bound as it starts, before it loads torch
@@ -66,6 +71,19 @@ def address() -> str:
                                    "set COLOCATE_FORK_PROCS=0 to start each proc on its own")
             time.sleep(0.01)
     return _path
+
+
+def preload(*modules: str) -> None:
+    """Have this process's fork server import `modules` too, so that the procs forked from
+    then on find them imported: what only some runs' procs import, at a cost worth saving
+    (an engine's: `colocate.engines.actors.ENGINE_MODULES`). Call it before the runtime
+    starts its procs; sent to the server now if it runs, else when it starts. A module
+    that fails to import is reported by the server and left out."""
+    new = [m for m in modules if m not in _preloads]
+    _preloads.extend(new)
+    if new and _server is not None and _server.poll() is None:
+        _server.stdin.write("".join(f"{m}\n" for m in new).encode())
+        _server.stdin.flush()
 
 
 def server_pid() -> int | None:
@@ -95,28 +113,44 @@ class _Child:
         self.conn.close()
 
 
-def main(path: str) -> None:
-    """The fork server; in each forked child, the proc its request asked for."""
-    request = _serve(path)  # returns only in a forked child
+def main(path: str, *preloads: str) -> None:
+    """The fork server, `preloads` imported after `PRELOAD`; in each forked child, the proc
+    its request asked for."""
+    request = _serve(path, preloads)  # returns only in a forked child
     _become(request)
 
 
-def _serve(path: str) -> _Request:
+def _import(modules: list[str] | tuple[str, ...]) -> None:
+    """Import `modules`, keeping what their imports set in the environment for the
+    children (`_set_by_imports`)."""
+    before = dict(os.environ)
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # the procs import it themselves, as without the server
+            print(f"colocate fork server: cannot preload {module} ({err!r})", file=sys.stderr)
+    _set_by_imports.update({k: v for k, v in os.environ.items() if before.get(k) != v})
+
+
+def _serve(path: str, preloads: tuple[str, ...]) -> _Request:
     children: dict[int, _Child] = {}  # by the fd the selector reports: pidfd, or conn
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, \
             selectors.DefaultSelector() as selector:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # it ends with the process that started it
         listener.bind(path)
         listener.listen(64)  # requests wait here while torch loads
-        for module in PRELOAD:
-            importlib.import_module(module)
+        _import((*PRELOAD, *preloads))
         selector.register(listener, selectors.EVENT_READ)
         selector.register(sys.stdin, selectors.EVENT_READ)
+        asked = b""  # what `preload` sent, up to its last full line
         while True:
             for key, _ in selector.select():
                 if key.fileobj is sys.stdin:
-                    if not os.read(sys.stdin.fileno(), 4096):  # the process that started
-                        _end(path, children)                  # this one ended
+                    sent = os.read(sys.stdin.fileno(), 4096)
+                    if not sent:  # the process that started this one ended
+                        _end(path, children)
+                    *lines, asked = (asked + sent).split(b"\n")
+                    _import([line.decode() for line in lines if line])
                 elif key.fileobj is listener:
                     request, conn = _accept(listener)
                     if request is None:
@@ -203,6 +237,8 @@ def _become(request: _Request) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it
     os.environ.clear()
     os.environ.update(request.env)
+    for key, value in _set_by_imports.items():  # as if this process had imported them
+        os.environ.setdefault(key, value)
     os.chdir(request.cwd)
     sys.path[:] = request.path
     sys.argv[:] = request.argv
@@ -214,4 +250,4 @@ def _become(request: _Request) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from colocate import init, phase
-from colocate.engines.actors import GeneratorActor, TrainerActor
+from colocate.engines.actors import ENGINE_MODULES, GeneratorActor, TrainerActor
 from colocate.engines.sampling import SamplingParams
 from colocate.engines.tiny import write_tiny_model
+from colocate.resources import zygote
 from colocate.resources.lost_hosts import LostHost
 from colocate.resources.packing import ResourceRequest
 from examples.rl_loop import task
@@ -92,6 +93,7 @@ class Runtime:
         self.arbiter = dataclasses.replace(  # and the hosts' memory for backups
             arbiter_config(self.cfg, self.model_dir, torch.cuda.is_available()),
             **host_fields(run))
+        zygote.preload(*ENGINE_MODULES[run.engine])  # procs forked with the engine imported
         await self._start_hosts()
         await self._spawn()
         await self.load(checkpoint)
