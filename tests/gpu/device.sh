@@ -20,7 +20,8 @@
 #           bench-*.log, rl-loop-metrics.json
 #   device: bash tests/gpu/device.sh bench     # longer benchmarks, in a call of their own:
 #           what pin_memory() costs against the memory layer's own pinned buffers
-#           (bench/pinned.py), the handoff of 1.7 GB with more rounds (bench/engines.py)
+#           (bench/pinned.py), the tool task's episodes with the torch generator
+#           (bench/agentic.py), the handoff of 1.7 GB with more rounds (bench/engines.py)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # The device image has torch (2.11), transformers (5.17), tensorboard, pytest,
@@ -163,6 +164,12 @@ PY
       # own pinned buffers (the bytes asked); not yet run on a GPU
       part "bench/pinned.py" 20 60 bench-pinned.log \
         python3 -m bench.pinned --sizes-mib 256,1024,2304 --out "$out/bench-pinned.json"
+      # the tool task trained, then its episodes at once against one at a time, in cohorts
+      # and continuous, with the torch generator (one replica on the one GPU: no prefix
+      # shares; no vLLM here); not yet run on a GPU (3.6 min on 2 CPU cores, vLLM's arms
+      # included)
+      part "bench/agentic.py" 120 240 bench-agentic.log \
+        python3 -m bench.agentic --replicas 1 --engines torch --out "$out/bench-agentic.json"
       part "bench/engines.py, 5 rounds" 60 480 bench-engines.log \
         python3 -m bench.engines --engines torch --dim 1536 --layers 12 --rounds 5 \
         --out /tmp/bench_engines_cuda/results.json
