@@ -5,8 +5,8 @@ tensors to it (`colocate.memory.repoint`: a data-pointer swap, so every view fol
 on torch 2.11 `Tensor.set_` on each tensor found). `pause` copies the mappings to the
 place asked (`backups.py`): a host buffer of exactly their bytes, or an unlinked file in
 the backup directory (kept after the resume for the tag's next pause to disk: rewriting a
-file's blocks costs about half what writing a new file's does, and varies less); or,
-without backup or to `DROP`, keeps nothing. It
+file's blocks costs less than writing a new file's, and varies less; bench/RESULTS.md,
+bench.plan's r8); or, without backup or to `DROP`, keeps nothing. It
 `MADV_DONTNEED`s each piece of `PIECE` bytes as soon as it is copied, so a stage is never
 held twice in host memory beyond one piece. `resume` copies the backup back into the same
 addresses, or faults in zeroed pages, so `data_ptr()` is the same before and after.
