@@ -310,10 +310,15 @@ def shm_files() -> set[str]:
     return found
 
 
+def child_procs() -> list[psutil.Process]:
+    """This process's child procs now, but its fork server, which serves every run here."""
+    server = zygote.server_pid()
+    return [p for p in psutil.Process().children(recursive=True) if p.pid != server]
+
+
 def children() -> set[int]:
-    """The pids of this process's child procs now (those before a run are not its), but its
-    fork server's, which serves every run here."""
-    return {p.pid for p in psutil.Process().children(recursive=True)} - {zygote.server_pid()}
+    """The pids of this process's child procs now (those before a run are not its)."""
+    return {p.pid for p in child_procs()}
 
 
 def leftovers(before: set[str], pids: set[int], older: set[int]) -> dict[str, list]:
@@ -324,8 +329,7 @@ def leftovers(before: set[str], pids: set[int], older: set[int]) -> dict[str, li
     from colocate.shm_files import recorded
 
     def started() -> list[psutil.Process]:
-        return [p for p in psutil.Process().children(recursive=True)
-                if p.pid not in older | {zygote.server_pid()}]
+        return [p for p in child_procs() if p.pid not in older]
 
     deadline = time.monotonic() + 5
     while (procs := started()) and time.monotonic() < deadline:

@@ -178,7 +178,7 @@ class TagArena:
     def _copy(self, nbytes: int, directory: str | None) -> Copy:
         """A backup of `nbytes`: the spare file if it is in `directory`, else a new one."""
         spare, self.spare = self.spare, None
-        if spare is not None and directory is not None and spare.directory == directory:
+        if spare is not None and spare.directory == directory:  # a spare is on disk
             spare.nbytes = nbytes
             return spare
         if spare is not None:

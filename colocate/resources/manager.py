@@ -26,7 +26,6 @@ Without GPUs, `gpus_per_host` virtual slots (plain CPU procs) stand in for them.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
@@ -50,7 +49,6 @@ from colocate.resources.packing import Inventory, ResourceError, ResourceRequest
 from colocate.resources.proc_main import HOST
 from colocate.resources.spawning import Spawns
 from colocate.resources.switching import Switchboard
-from colocate.resources.zygote import FORK_PROCS_ENV
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -70,7 +68,7 @@ def fork_server(job: HostJob, virtual: bool) -> str | None:
     hosts), this process's fork server; on hosts whose worker is colocate's
     (`colocate.resources.worker`: Slurm, torchx), the fork server each host's worker
     started; elsewhere (a Monarch job's own workers) nowhere: each proc starts on its own."""
-    if not virtual or os.environ.get(FORK_PROCS_ENV) == "0":
+    if not virtual or not zygote.wanted():
         return None
     return zygote.address() if job.scheduler in ("local", "processes") else HOST
 

@@ -56,12 +56,12 @@ def _exit_with(parent_pid: int, poll_s: float = 0.5) -> None:
 
 def _serve_forks() -> None:
     """Start this host's fork server, unless the host has GPUs or forking is off."""
+    from colocate.resources import zygote
     from colocate.resources.gpus import gpus_per_host
     from colocate.resources.proc_main import HOST_FORK_ENV
-    from colocate.resources.zygote import FORK_PROCS_ENV, address
 
-    if os.environ.get(FORK_PROCS_ENV) != "0" and not gpus_per_host():
-        os.environ[HOST_FORK_ENV] = address()
+    if zygote.wanted() and not gpus_per_host():
+        os.environ[HOST_FORK_ENV] = zygote.address()
 
 
 def main(argv: list[str] | None = None) -> None:

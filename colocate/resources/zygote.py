@@ -72,6 +72,12 @@ def address() -> str:
     return _path
 
 
+def wanted() -> bool:
+    """Whether procs are to be forked where a fork server can serve them: unless
+    COLOCATE_FORK_PROCS=0."""
+    return os.environ.get(FORK_PROCS_ENV) != "0"
+
+
 def preload(*modules: str) -> None:
     """Have this process's fork server import `modules` too, so that the procs forked from
     then on find them imported: what only some runs' procs import, at a cost worth saving
