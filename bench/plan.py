@@ -18,7 +18,7 @@ those rows are predictions of what was not measured, 512x4 beyond it. First the 
 switch costs are calibrated (python -m examples.rl_loop --calibrate, into a rates file of
 the bench's own) unless `--rates FILE` names one.
 
-    .venv/bin/python -m bench.plan [--steps 9] [--rates FILE] [--out FILE]
+    .venv/bin/python -m bench.plan [--steps 15] [--rates FILE] [--out FILE]
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def report(row: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--rates", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -13,27 +13,51 @@ from examples.rl_loop.calibrate import fit_disk, fit_switch
 
 
 def test_a_fit_through_runs_gives_the_fixed_cost_the_cost_per_tensor_and_the_byte_scale():
-    # a switch that costs 12 ms, 50 us a tensor and twice its bytes' time, with 1% noise
-    def took(moved: float, tensors: int, noise: float) -> tuple[float, int, float]:
-        return moved, tensors, (0.012 + 50e-6 * tensors + 2.0 * moved) * (1 + noise)
+    # a switch that costs 12 ms, 50 us a tensor and twice its bytes' time on one slot, and
+    # 3 ms and half its bytes' time more on a second, with 1% noise
+    def took(moved: float, tensors: int, noise: float, more: int = 0
+             ) -> tuple[float, int, int, float]:
+        seconds = 0.012 + 0.003 * more + 50e-6 * tensors + (2.0 + 0.5 * more) * moved
+        return moved, tensors, more, seconds * (1 + noise)
 
     points = [took(0.001, 100, 0.01), took(0.002, 200, -0.01), took(0.030, 200, 0.005),
               took(0.010, 200, -0.005)]
-    fixed, per_tensor, scale = fit_switch(points)
+    (fixed, per_tensor, scale), grows = fit_switch(points)
     assert fixed == pytest.approx(0.012, rel=0.1)
     assert per_tensor == pytest.approx(50e-6, rel=0.1)
     assert scale == pytest.approx(2.0, rel=0.05)
+    assert grows == (0.0, 0.0, 0.0)  # one slot only: nothing to grow
+    both = fit_switch([*points, *(took(m, t, n, more=1) for m, t, n in
+                                  [(0.001, 100, 0.0), (0.002, 200, 0.0), (0.030, 200, 0.0)])])
+    assert both[0] == pytest.approx((0.012, 50e-6, 2.0), rel=0.1)
+    assert both[1][0] == pytest.approx(0.003, rel=0.3)  # the 1-slot points' noise shares it
+    assert both[1][2] == pytest.approx(0.5, rel=0.1)
     # the tensors alone would read as bytes: sizes that differ in both cannot tell them
     # apart, and then the whole slope goes to one term, never negative to the other
-    assert min(fit_switch([took(0.001, 100, 0), took(0.01, 200, 0)])) >= 0
+    assert min(fit_switch([took(0.001, 100, 0), took(0.01, 200, 0)])[0]) >= 0
+
+
+def test_a_second_slot_measured_faster_somewhere_adds_nothing_there_and_takes_nothing_off():
+    # two slots measured as one at the small size, 20% slower at the large one: the growth
+    # goes to the bytes, none of it below 0, and the 1-slot fit is the 1-slot points'
+    one = [(0.0001, 20, 0, 0.0030), (0.0001, 40, 0, 0.0032), (0.003, 40, 0, 0.0080)]
+    two = [(0.0001, 20, 1, 0.0029), (0.0001, 40, 1, 0.0032), (0.003, 40, 1, 0.0096)]
+    (fixed, per_tensor, scale), grows = fit_switch(one + two)
+    assert min(grows) >= 0 and grows[2] > 0
+    for moved, tensors, more, seconds in one + two:
+        fitted = (fixed + more * grows[0] + (per_tensor + more * grows[1]) * tensors
+                  + (scale + more * grows[2]) * moved)
+        assert fitted == pytest.approx(seconds, rel=0.05)
 
 
 def test_a_way_that_moves_nothing_has_its_fixed_cost_alone():
-    fixed, per_tensor, scale = fit_switch([(0.0, 0, 0.0004), (0.0, 0, 0.0005), (0.0, 0, 0.0006)])
+    (fixed, per_tensor, scale), grows = fit_switch([(0.0, 0, 0, 0.0004), (0.0, 0, 0, 0.0005),
+                                                    (0.0, 0, 1, 0.0006)])
     assert (per_tensor, scale) == (0.0, 1.0)
-    assert 0.0004 < fixed < 0.0006
+    assert fixed == pytest.approx(0.00045, rel=0.05)  # relative errors: nearer the least
+    assert fixed + grows[0] == pytest.approx(0.0006) and grows[1:] == (0.0, 0.0)
     # never below 0: a noisy line that would cross 0 is held there
-    assert fit_switch([(0.001, 10, 0.0001), (0.010, 10, 0.0300)])[0] == 0.0
+    assert fit_switch([(0.001, 10, 0, 0.0001), (0.010, 10, 0, 0.0300)])[0][0] == 0.0
 
 
 def test_what_a_backup_on_disk_adds_is_fitted_per_file_and_per_byte_each_way():

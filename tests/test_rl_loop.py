@@ -241,7 +241,7 @@ def test_the_step_clock_gives_each_figure_its_definition(monkeypatch, reference)
     t = [0.0, 0.1, 0.3, 1.3, 1.7, 1.9, 2.0, 2.6, 2.8, 2.85, 3.85, 3.95, 4.25, 4.3]
     start, woken, generating, generated, scored, ref_woken, referencing, referenced, \
         trainer_woken, training, trained, kept, synced, end = t
-    laps = ["switch", "readings", "generate", "score", "reference_switch", "readings",
+    laps = ["generator_switch", "readings", "generate", "score", "reference_switch", "readings",
             "reference", "switch", "readings", "train", "save", "sync", "readings"]
     if not reference:  # no reference: its three readings of the clock are not taken
         t = t[:5] + t[8:]
@@ -256,6 +256,7 @@ def test_the_step_clock_gives_each_figure_its_definition(monkeypatch, reference)
     expected = {
         "generate_s": generated - generating, "score_s": scored - generated,
         "reference_s": referenced - referencing, "reference_switch_s": ref_woken - scored,
+        "generator_switch_s": woken - start,
         "train_s": trained - training, "save_s": kept - trained,
         "switch_s": (woken - start) + (ref_woken - scored) + (trainer_woken - referenced),
         "switch_ahead_s": 0.5, "sync_s": synced - kept, "step_s": synced - start - readings,

@@ -17,14 +17,15 @@ handoffs, through the arbiter too), on 1 slot and on 2. Each run is a point: its
 step's switch time beside its tensors and its bytes' time, from the third step on; the fit
 weighs each point by its own time, so a plan is off by as little as it can be relative to
 what it predicts, at every size. What a second slot adds (one arbiter a host carries out
-every slot's switch, and their copies share the memory) is the difference between the
-2-slot fit and the 1-slot one. A backup on disk costs more than its lone copy too (a file
-per stage, and bytes that the page cache writes back): the exclusive 1-slot runs of
-`DISK_SIZES` are made again with a host budget short of their backups, and what the fit
-leaves unexplained of their switches is fitted as `per_stage x disk stages + out_scale x
-(their bytes written's time) + in_scale x (their bytes read back's)`: on this project's
-CPU machines a write to a new file costs several times what a calibration's repeated one
-does, a read back about what it does. The process's peak is the largest of the 1-slot runs'.
+every slot's switch, and their copies share the memory) is fitted with it, through the
+1-slot and 2-slot points at once, as a growth of each term that is never below 0. A backup
+on disk costs more than its lone copy too (a file per stage, and bytes that the page cache
+writes back): the exclusive 1-slot runs of `DISK_SIZES` are made again with a host budget
+short of their backups, and what the fit leaves unexplained of their switches is fitted as
+`per_stage x disk stages + out_scale x (their bytes written's time) + in_scale x (their
+bytes read back's)`: on this project's CPU machines a write to a new file costs several
+times what a calibration's repeated one does, a read back about what it does. The process's
+peak is the largest of the 1-slot runs'.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ from examples.rl_loop.budget import auto_capacity, tenant_sizes
 from examples.rl_loop.config import load_config
 from examples.rl_loop.plan import model_config
 
-STEPS = 10
-Point = tuple[float, int, float]  # a run's way: bytes' time, tensors, measured seconds
+STEPS = 16
+# a run's way: bytes' time, tensors, slots beyond the first, measured seconds
+Point = tuple[float, int, int, float]
+Fit = tuple[float, float, float]  # fixed seconds, seconds per tensor, byte scale
 # a host-budget run's way: bytes written to disk's time, read back's, disk stages, seconds
 # left unexplained, measured seconds
 DiskPoint = tuple[float, float, int, float, float]
@@ -86,7 +89,7 @@ def calibrate_switches(path: str | None = None) -> dict[str, Any]:
     rates = load_rates(target) if target.exists() else cached_rates(device, target)
     bare = dataclasses.replace(rates, fixed_s={}, fixed_per_slot_s={}, byte_scale={},
                                byte_scale_per_slot={})  # bytes only, at the raw rates
-    points: dict[tuple[str, int], list[Point]] = {}  # (way, slots) -> its runs' points
+    points: dict[str, list[Point]] = {}  # way -> its runs' points
     to_disk: list[tuple[dict, dict]] = []  # the host-budget runs: metrics, plan
     process = 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,8 +100,9 @@ def calibrate_switches(path: str | None = None) -> dict[str, Any]:
                     out = Path(tmp) / f"{size}-{policy}-{slots}"
                     run = [*model, f"run.slots={slots}", f"run.slot_memory={chosen[policy]}"]
                     metrics, plan = _run(out, target, run)
-                    for way, point in switch_points(metrics["steps"][2:], plan, bare).items():
-                        points.setdefault((way, slots), []).append(point)
+                    for way, point in switch_points(metrics["steps"][2:], plan, bare,
+                                                    slots).items():
+                        points.setdefault(way, []).append(point)
                     if slots == 1:
                         process = max(process,
                                       metrics["summary"]["plan"]["measured_process_bytes"])
@@ -106,12 +110,9 @@ def calibrate_switches(path: str | None = None) -> dict[str, Any]:
                         budget = metrics["summary"]["host/peak_backup_bytes"] * 3 // 4
                         to_disk.append(_run(Path(f"{out}-disk"), target,
                                             [*run, f"run.host_memory={budget}"]))
-    fits = {key: fit_switch(found) for key, found in points.items()}
-    one = {way: fit for (way, slots), fit in fits.items() if slots == 1}
-    more = {way: tuple(max(0.0, b - a) for a, b in zip(fit, fits.get((way, 2), fit),
-                                                           strict=True))
-            for way, fit in one.items()}
-    rates = rates.with_switch_costs(one, more, process)
+    fits = {way: fit_switch(found) for way, found in points.items()}
+    rates = rates.with_switch_costs({way: one for way, (one, _) in fits.items()},
+                                    {way: more for way, (_, more) in fits.items()}, process)
     disk = [point for metrics, plan in to_disk
             for point in disk_points(metrics["steps"][2:], plan, rates)]
     rates = dataclasses.replace(rates, **dict(zip(
@@ -124,8 +125,7 @@ def calibrate_switches(path: str | None = None) -> dict[str, Any]:
             "disk_stage_s": rates.disk_stage_s, "disk_out_scale": rates.disk_out_scale,
             "disk_in_scale": rates.disk_in_scale,
             "process_bytes": process,
-            "points": {f"{way}, {slots} slot(s)": found
-                       for (way, slots), found in sorted(points.items())},
+            "points": dict(sorted(points.items())),
             "disk_points": disk}
 
 
@@ -141,10 +141,11 @@ def _run(out: Path, rates_file: Path, overrides: list[str]) -> tuple[dict, dict]
             json.loads((out / "plan.json").read_text()))
 
 
-def switch_points(steps: list[dict[str, Any]], plan: dict[str, Any], bare: Rates
-                  ) -> dict[str, Point]:
-    """Per way, one run's point: (its bytes' time at the raw rates, its tensors, the median
-    step's measured time), for the trainer's wake and the sync (`_measured`)."""
+def switch_points(steps: list[dict[str, Any]], plan: dict[str, Any], bare: Rates,
+                  slots: int) -> dict[str, Point]:
+    """Per way, one run's point: (its bytes' time at the raw rates, its tensors, its slots
+    beyond the first, the median step's measured time), for the trainer's wake and the
+    sync (`_measured`)."""
     found: dict[str, Point] = {}
     for way, switch, took in _measured(steps, plan):
         moved = bare.seconds(way, switch["copied_out"] - switch.get("to_disk", 0),
@@ -152,7 +153,7 @@ def switch_points(steps: list[dict[str, Any]], plan: dict[str, Any], bare: Rates
                              switch["discarded"], switch["refilled"], switch["in_slot_bytes"],
                              to_disk=switch.get("to_disk", 0),
                              from_disk=switch.get("from_disk", 0))
-        found[way] = (moved, switch["tensors"], took)
+        found[way] = (moved, switch["tensors"], slots - 1, took)
     return found
 
 
@@ -203,32 +204,40 @@ def fit_disk(points: list[DiskPoint]) -> tuple[float, float | None, float | None
             found.get("in", 0.0) if "in" in columns else None)
 
 
-def fit_switch(points: list[Point]) -> tuple[float, float, float]:
-    """(fixed, per_tensor, scale) of `measured = fixed + per_tensor x tensors + scale x
-    bytes' time` through `points` (bytes' time, tensors, measured), least squares of the
-    relative error, none below 0. A term whose value is the same at every point cannot be
-    told from the fixed cost: where the tensors do not vary, per_tensor is 0; where the
-    bytes' times barely do (a way that moves nothing), the scale is 1."""
-    moved, tensors, took = (np.array(column, dtype=float) for column in zip(*points,
-                                                                            strict=True))
+def fit_switch(points: list[Point]) -> tuple[Fit, Fit]:
+    """A way's (fixed, per_tensor, scale) on one slot and what each further slot adds to
+    each, of `measured = fixed + per_tensor x tensors + scale x bytes' time` (each term
+    plus its growth per further slot) through `points` (`switch_points`) of 1 and 2
+    slots at once, least squares of the relative error, none below 0: a second slot that
+    measured a little faster than the first somewhere adds nothing rather than taking off.
+    A term whose value is the same at every point cannot be told from the fixed cost:
+    where the tensors do not vary, per_tensor is 0; where the bytes' times barely do (a
+    way that moves nothing), the scale is 1; where the slots do not, nothing grows."""
+    moved, tensors, more, took = (np.array(column, dtype=float)
+                                  for column in zip(*points, strict=True))
     scaled = np.ptp(moved) > 1e-4 * max(1e-3, float(moved.mean()))
-    columns = {"fixed": np.ones_like(took)}
+    terms = {"fixed": np.ones_like(took)}
     if np.ptp(tensors) > 0:
-        columns["per_tensor"] = tensors
+        terms["per_tensor"] = tensors
     if scaled:
-        columns["scale"] = moved
+        terms["scale"] = moved
+    columns = {(name, 0): column for name, column in terms.items()}
+    if np.ptp(more) > 0:
+        columns.update({(name, 1): column * more for name, column in terms.items()})
     found = _fit(columns, took - (0.0 if scaled else moved), took)
-    return (found.get("fixed", 0.0), found.get("per_tensor", 0.0),
-            found.get("scale", 0.0) if scaled else 1.0)
+    one, per_slot = (tuple(found.get((name, grows), 0.0) for name in ("fixed", "per_tensor",
+                                                                       "scale"))
+                     for grows in (0, 1))
+    return (one if scaled else (*one[:2], 1.0)), per_slot
 
 
-def _fit(columns: dict[str, np.ndarray], left: np.ndarray, took: np.ndarray
-         ) -> dict[str, float]:
+def _fit(columns: dict[Any, np.ndarray], left: np.ndarray, took: np.ndarray
+         ) -> dict[Any, float]:
     """The coefficients, none below 0, of the named columns whose sum is closest to
     `left` relative to `took` (least squares of the relative error); a column left out
     has none."""
     weight = 1.0 / np.maximum(took, 1e-9)
-    best: tuple[float, dict[str, float]] = (float(np.sum((left * weight) ** 2)), {})
+    best: tuple[float, dict[Any, float]] = (float(np.sum((left * weight) ** 2)), {})
     for size in range(1, len(columns) + 1):  # each set of terms, their coefficients >= 0
         for names in itertools.combinations(columns, size):
             design = np.stack([columns[n] * weight for n in names], axis=1)

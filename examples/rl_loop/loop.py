@@ -196,7 +196,7 @@ class Loop:
         its metrics and where its time went (`timing.StepClock`)."""
         cfg, rt, clock = self.cfg, self.runtime, StepClock()
         async with phase(rt.generator):  # no switch: the last sync left it awake
-            clock.lap("switch")
+            clock.lap("generator_switch")
             await self.mark("generate", clock)
             rollout = await self.rollouts.generate(index)
         clock.lap("generate")

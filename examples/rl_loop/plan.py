@@ -12,10 +12,10 @@ holds).
 
 A run's measured figures (`measured`): from the second step on (the first starts with
 nothing out yet), the bytes copied to host memory and back per step (the mean); the
-switch + sync time of the median step (the trainer's wake, started ahead, its own
-duration; with a reference, the trainer's wake after it too; and the sync); the most a
-slot held after a switch; the host's peak, the loop process's peak RSS and the most the
-slots' backups held.
+switch + sync time of the median step (the generator's wake; the trainer's wake, started
+ahead, its own duration; with a reference, the trainer's wake after it too; and the sync);
+the most a slot held after a switch; the host's peak, the loop process's peak RSS and the
+most the slots' backups held.
 Partial rollouts, tools and environments change the turns; the plan is a sync step's.
 """
 
@@ -97,8 +97,9 @@ def measured(steps: list[dict[str, Any]], summary: dict[str, Any], reference: bo
     def mean(values: list[float]) -> float:
         return sum(values) / len(values)
 
-    switch = [s["switch_ahead_s"] + s["sync_s"]
-              + (s["switch_s"] - s["reference_switch_s"] if reference else 0.0) for s in steady]
+    switch = [generator_wake(s) + s["switch_ahead_s"] + s["sync_s"] + (
+        s["switch_s"] - s["reference_switch_s"] - generator_wake(s) if reference else 0.0)
+        for s in steady]
     switch_time = statistics.median(switch)  # the median step: the machine's other load
     # (a stray process, a collection) lands on some steps, not on the switches' cost
     backups = max((s.get("backup_peak_bytes", 0) for s in steps), default=0)
@@ -108,6 +109,12 @@ def measured(steps: list[dict[str, Any]], summary: dict[str, Any], reference: bo
             "switch_time": switch_time, "peak_slot": summary["slot_peak_bytes"],
             "peak_host": process + backups, "process_bytes": process,
             "host_backup_bytes": backups}
+
+
+def generator_wake(step: dict[str, Any]) -> float:
+    """A step's wait for the generator's wake (a row written before it was its own figure,
+    by a run resumed here: none counted)."""
+    return step.get("generator_switch_s", 0.0)
 
 
 def loop_peak_bytes() -> int:

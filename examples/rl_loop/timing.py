@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 
-# The spans, each a `<span>_s` figure of the row (`switch` and `reference_switch` together
-# make `switch_s`); "readings" are the memory readings taken for the plots, timed apart.
-SPANS = ("switch", "readings", "generate", "score", "reference_switch", "reference", "train",
-         "save", "sync")
+# The spans, each a `<span>_s` figure of the row (`generator_switch`, `reference_switch` and
+# `switch`, the trainer's, together make `switch_s`); "readings" are the memory readings
+# taken for the plots, timed apart.
+SPANS = ("generator_switch", "readings", "generate", "score", "reference_switch", "reference",
+         "switch", "train", "save", "sync")
 
 
 class StepClock:
@@ -39,7 +40,8 @@ class StepClock:
           own time (`reference_s` 0 without a reference);
         - `switch_s`: the time the step waited for switches (the generator's wake, the
           reference's and the trainer's: what was left of the switch started ahead);
-          `reference_switch_s`, the reference's part of it;
+          `generator_switch_s` and `reference_switch_s`, the generator's and the
+          reference's parts of it;
         - `switch_ahead_s`: the switch started ahead's own duration (given);
         - `step_s`: the step's wall time, its readings left out;
         - `readings_s`: the memory readings, the last one (after the sync) included.
@@ -47,8 +49,9 @@ class StepClock:
         s = self.spans
         return {"generate_s": s["generate"], "score_s": s["score"],
                 "reference_s": s["reference"], "reference_switch_s": s["reference_switch"],
+                "generator_switch_s": s["generator_switch"],
                 "train_s": s["train"], "save_s": s["save"],
-                "switch_s": s["switch"] + s["reference_switch"],
+                "switch_s": s["generator_switch"] + s["reference_switch"] + s["switch"],
                 "switch_ahead_s": switch_ahead_s, "sync_s": s["sync"],
                 "step_s": sum(v for name, v in s.items() if name != "readings"),
                 "readings_s": s["readings"]}
