@@ -103,8 +103,10 @@ def test_the_command_and_its_fork_end_together(probe):
         assert gone(fork), f"the fork lives on after its {victim} got {sig!r}"
 
 
-def test_the_forks_of_a_server_that_ends_are_killed(probe, tmp_path):
-    path = str(tmp_path / "socket")
+@pytest.mark.parametrize("ending", ["its starter ends", "SIGTERM"])
+def test_the_forks_of_a_server_that_ends_are_killed(probe, tmp_path, ending):
+    path = str(tmp_path / "server" / "socket")
+    os.mkdir(os.path.dirname(path))
     server = subprocess.Popen([sys.executable, "-m", "colocate.resources.zygote", path],
                               stdin=subprocess.PIPE)
     while not Path(path).exists():  # bound as it starts
@@ -112,9 +114,13 @@ def test_the_forks_of_a_server_that_ends_are_killed(probe, tmp_path):
     proc = command(probe, path, PROBE_SLEEPS="1")
     fork = said(proc)["pid"]
     assert fork != proc.pid
-    server.stdin.close()  # as when the process that started it ends
+    if ending == "SIGTERM":  # as a job's end (scancel, torchx's kill) signals its processes
+        server.send_signal(signal.SIGTERM)
+    else:
+        server.stdin.close()  # as when the process that started it ends
     assert proc.wait(30) == 1 and "fork server" in proc.stderr.read()
-    assert gone(fork) and server.wait(30) == 0 and not Path(path).exists()
+    assert gone(fork) and server.wait(30) == 0
+    assert not Path(path).parent.exists()  # its socket and the socket's folder
 
 
 def test_what_a_server_is_told_to_preload_later_forks_have_imported(probe, tmp_path):

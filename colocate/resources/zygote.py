@@ -142,6 +142,8 @@ def _serve(path: str, preloads: tuple[str, ...]) -> _Request:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, \
             selectors.DefaultSelector() as selector:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # it ends with the process that started it
+        # or when told to (a job's end signals all its processes): its socket's folder goes too
+        signal.signal(signal.SIGTERM, lambda *_: _end(path, children))
         listener.bind(path)
         listener.listen(64)  # requests wait here while torch loads
         _import((*PRELOAD, *preloads))
@@ -240,6 +242,7 @@ def _become(request: _Request) -> None:
         os.dup2(fd, target)
         os.close(fd)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ends on it
     os.environ.clear()
     os.environ.update(request.env)
     for key, value in _set_by_imports.items():  # as if this process had imported them
