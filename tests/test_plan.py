@@ -156,6 +156,74 @@ def test_a_plan_for_a_bigger_machine_is_not_bound_by_this_ones_memory():
     assert planned.fits and planned.figures()["host_backup_bytes"] == tib
 
 
+def test_a_plan_for_a_gpu_node_is_made_here_from_that_gpus_rates():
+    """Rates measured on a GPU make the plan that GPU's, on a machine without one: `auto`
+    slots hold the GPU's memory (as its rates file says it) and backups are pinned; a file
+    that does not say it is refused, naming the field to give."""
+    from examples.rl_loop.plan import make_plan
+
+    gpu = dataclasses.replace(RATES, device="NVIDIA H100 80GB HBM3", slot_bytes=80 << 30)
+    cfg = load_config(overrides=["run.slots=2"])  # run.slot_memory=auto
+    model = model_config(cfg, task.ALPHABET)
+    there = make_plan(cfg, model, gpu).as_dict()
+    assert there["pinned"] and [s["capacity_bytes"] for s in there["slots"]] == [80 << 30] * 2
+    here = make_plan(cfg, model, RATES).as_dict()  # CPU slots: auto is a tight capacity
+    assert not here["pinned"] and here["slots"][0]["capacity_bytes"] < 1 << 30
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="give run.slot_memory"):
+            make_plan(cfg, model, dataclasses.replace(gpu, slot_bytes=0))
+    sized = load_config(overrides=["run.slots=2", "run.slot_memory=40GiB"])
+    assert make_plan(sized, model, dataclasses.replace(gpu, slot_bytes=0)).as_dict()[
+        "slots"][0]["capacity_bytes"] == 40 << 30
+    # a host short of memory for backups: CPU slots' go to disk, a GPU's cannot (yet)
+    short = load_config(overrides=["run.policy=exclusive", "run.host_memory=1000"])
+    assert make_plan(short, model, RATES).fits
+    refused = make_plan(short, model, gpu)
+    assert not refused.fits and "run.host_memory" in refused.why and "disk" in refused.why
+
+
+def test_a_vllm_copy_over_tensor_parallel_ranks_holds_its_share_of_the_kv_heads():
+    """Each rank of a copy holds its share of the key/value heads (vLLM splits them), at
+    least one (past their number vLLM repeats them): what the engine reserves per rank and
+    what the plan sizes."""
+    from colocate.engines.generator import kv_cache_bytes
+    from examples.rl_loop.budget import tenant_sizes
+
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+              "num_hidden_layers": 2}
+    whole = kv_cache_bytes(config, 8, 64)
+    assert kv_cache_bytes(config, 8, 64, tensor_parallel=2) == whole // 2
+    assert kv_cache_bytes(config, 8, 64, tensor_parallel=4) == whole // 2  # a head each
+
+    def planned(tp: int) -> int:
+        cfg = load_config(overrides=["run.engine=vllm", "run.slots=2", "model.heads=2",
+                                     "model.kv_heads=2", f"generator.tensor_parallel_size={tp}"])
+        sizes = tenant_sizes(cfg, model_config(cfg, task.ALPHABET))
+        return sizes["generator"].stages["kv_cache"][0]
+
+    assert planned(2) == planned(1) // 2 > 0
+
+
+def test_the_anchor_plans_hold_a_7b_and_a_32b_model_as_their_parameters_say():
+    """bench/anchors.py (docs/plan_anchors.md): Qwen2.5-7B fits each H100 whole and only
+    syncs in place; 32B moves AdamW's state and vLLM's weights each step, and a host short
+    of memory for them is refused before a GPU run would send them to disk."""
+    from bench.anchors import H100, plan_row
+
+    small = plan_row("Qwen2.5-7B", "1TiB", H100)
+    params = 7.6156e9  # Qwen2.5-7B's, float32 here
+    assert small["stages_gb"]["generator/weights"] == pytest.approx(4 * params / 1e9, rel=1e-3)
+    assert small["stages_gb"]["trainer/weights"] == pytest.approx(4 * params / 8e9, rel=1e-2)
+    assert small["fits"] and small["moved_per_step_gb"] == 0
+    assert [way for _, way, *_ in small["switches"]] == ["none", "none", "in_place"]
+    big = plan_row("Qwen2.5-32B", "1TiB", H100)
+    optimizer, vllm = big["stages_gb"]["trainer/optimizer"], big["stages_gb"]["generator/weights"]
+    assert big["fits"] and big["moved_per_step_gb"] == pytest.approx(8 * 2 * (optimizer + vllm),
+                                                                      rel=1e-6)
+    short = plan_row("Qwen2.5-32B", "256GiB", H100)
+    assert not short["fits"] and "run.host_memory" in short["why"]
+
+
 def test_slots_apart_plan_each_side_of_the_sync_on_its_own_slot():
     """Not colocated (vLLM copies on slots of their own): a slot holds the trainer or the
     generator, and each side of the sync only wakes there; nothing is handed off."""

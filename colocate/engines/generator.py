@@ -88,12 +88,15 @@ def working_bytes(config: dict, max_batch: int, max_len: int, element: int = 4) 
 
 
 def kv_cache_bytes(config: dict, max_batch: int, max_len: int,
-                   block: int = KV_BLOCK_TOKENS) -> int:
-    """The vLLM generator's KV cache: `max_batch` sequences of `max_len` tokens in float32,
-    in whole blocks of `block` tokens (plus vLLM's reserved block), instead of vLLM's
-    default share of all memory."""
+                   block: int = KV_BLOCK_TOKENS, tensor_parallel: int = 1) -> int:
+    """The vLLM generator's KV cache on one rank: `max_batch` sequences of `max_len` tokens
+    in float32, in whole blocks of `block` tokens (plus vLLM's reserved block), instead of
+    vLLM's default share of all memory; with `tensor_parallel` ranks a copy, each holds its
+    share of the key/value heads (at least one: vLLM repeats them past their number)."""
     blocks = max_batch * math.ceil(max_len / block) + 1
-    return blocks * block * kv_numbers_per_token(config) * 4
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    return blocks * block * kv_numbers_per_token(config) * 4 * math.ceil(
+        heads / tensor_parallel) // heads
 
 
 class WeightsDiscardedError(RuntimeError):

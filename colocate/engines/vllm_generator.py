@@ -108,8 +108,10 @@ class VLLMGenerator:
             model=str(model_dir), worker_extension_cls=WORKER, dtype="float32",
             enforce_eager=True, max_model_len=self.max_model_len, max_num_seqs=max_batch,
             seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=native,
-            kv_cache_memory_bytes=kv_cache_bytes(config, max_batch, self.max_model_len,
-                                                 llm_kwargs.get("block_size") or KV_BLOCK_TOKENS),
+            kv_cache_memory_bytes=kv_cache_bytes(
+                config, max_batch, self.max_model_len,
+                llm_kwargs.get("block_size") or KV_BLOCK_TOKENS,
+                llm_kwargs.get("tensor_parallel_size", 1)),
             enable_prefix_caching=True,
         )
         if ranks > 1:  # join this replica's torch.distributed world, in this process

@@ -5,7 +5,8 @@ this machine's rates (rates.py): the slots switch in parallel, so a step's switc
 its slowest slot's. Host memory: the backups every slot holds at once (on CUDA, the pinned
 buffers, which stay once made: every kept stage ever copied out) and what the caller says
 the host holds besides (its own process). It fits when every slot's turns could be made
-and the host peak is within the host's capacity, if one is given; `why` says which not.
+and the host peak is within the host's capacity, if one is given, and no CUDA backup would go
+to disk (the memory layer's CUDA backend has none); `why` says which not.
 
 `check(predicted, measured)` gives each figure's signed relative error, (predicted -
 measured) / measured, against `TARGETS`.
@@ -100,6 +101,14 @@ class Plan:
             if not slot.fits:
                 return f"slot {index}: {slot.why}"
         figures = self.figures()
+        to_disk = max((s.to_disk for slot in self.slots
+                       for s in slot.start + slot.first_step + slot.step), default=0)
+        if self.pinned and to_disk:  # the memory layer's CUDA backend refuses it
+            hosts = max(1, len(self.slots) // self.slots_per_host)
+            return (f"the host: its memory for backups is short, so {to_disk} bytes of "
+                    f"them would go to disk, which CUDA tags' backups cannot yet: give "
+                    f"each host {-(-figures['host_backup_bytes'] // hosts)} bytes for "
+                    f"backups (run.host_memory), or let fewer stages sleep")
         if self.host_capacity_bytes is not None \
                 and figures["peak_host_bytes"] > self.host_capacity_bytes:
             return (f"the host: {figures['peak_host_bytes']} bytes at the peak "

@@ -79,8 +79,14 @@ class Rates:
     disk_out_scale: float | None = None
     disk_in_scale: float | None = None
     process_bytes: int = 0  # the driving process's peak memory, as its caller measured it
+    slot_bytes: int = 0  # a GPU's memory (measured on CUDA): `auto` slots' capacity there
     host: str = ""  # the machine measured
     measured_at: str = ""
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether these are a GPU's rates (its slots' backups pinned), not CPU slots'."""
+        return self.device != "cpu"
 
     def seconds(self, way: str, copied_out: int = 0, copied_in: int = 0, discarded: int = 0,
                 refilled: int = 0, in_slot: int = 0, slots: int = 1, to_disk: int = 0,
@@ -204,6 +210,8 @@ def calibrate(device: str = "cpu", nbytes: int = CALIBRATION_BYTES) -> Rates:
             host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pin)
             found[to_key] = rate(lambda host=host: lambda: target.copy_(host, non_blocking=True))
             found[from_key] = rate(lambda host=host: lambda: host.copy_(target, non_blocking=True))
+    if on.type == "cuda":
+        found["slot_bytes"] = torch.cuda.get_device_properties(on).total_memory
     name = torch.cuda.get_device_name(on) if on.type == "cuda" else "cpu"
     return Rates(device=name, host=platform.node(),
                  measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **found)

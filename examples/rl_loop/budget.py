@@ -87,7 +87,7 @@ def tenant_sizes(cfg: RLConfig, model: Path | transformers.PretrainedConfig,
         tp = cfg.generator.tensor_parallel_size if slots > 1 else 1
         block = cfg.generator.block_size or KV_BLOCK_TOKENS  # as the engine sizes it
         sizes["generator"] = {"weights": (whole // tp, True),
-                              "kv_cache": (kv_cache_bytes(*shape, block), False)}
+                              "kv_cache": (kv_cache_bytes(*shape, block, tp), False)}
         tensors["generator"]["kv_cache"] = config.num_hidden_layers
         return {t: Size(stages, 0, tensors[t]) for t, stages in sizes.items()}
     sizes["generator"]["weights"] = (whole, False)
@@ -118,8 +118,9 @@ def slot_sizes(cfg: RLConfig, model_dir: Path | transformers.PretrainedConfig
 
 
 def parse_bytes(value: str) -> int:
-    """`run.slot_memory` as bytes: an integer, optionally with KiB, MiB or GiB."""
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    """`run.slot_memory` or `run.host_memory` as bytes: an integer, optionally with KiB,
+    MiB, GiB or TiB."""
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
     text = str(value).strip()
     for suffix, scale in units.items():
         if text.endswith(suffix):

@@ -153,10 +153,11 @@ class RunConfig:
     export_every: int = 0  # also write out/model every N steps (0: at the end only)
     max_restarts: int = 3  # a lost proc: restart the slots, reload the last checkpoint
     policy: str = "budget"  # budget: only what a slot lacks moves; exclusive: one awake a slot
-    slot_memory: str = "auto"  # a slot's capacity in bytes (or KiB/MiB/GiB); auto: see budget.py
+    slot_memory: str = "auto"  # a slot's capacity in bytes (or KiB/MiB/GiB/TiB); auto: see
+    # budget.py
     host_memory: str = "auto"  # each host's memory for the backups of sleeping stages, in
-    # bytes (or KiB/MiB/GiB); past it they go to disk (auto: the cgroup's limit, else what the
-    # host has available at start; see colocate/arbiter/host_budget.py)
+    # bytes (or KiB/MiB/GiB/TiB); past it they go to disk (auto: the cgroup's limit, else
+    # what the host has available at start; see colocate/arbiter/host_budget.py)
     backup_dir: str = ""  # where backups go that host memory has no room for: a directory
     # on a disk, not tmpfs ("": $COLOCATE_BACKUP_DIR, else the system temp dir)
     cpu_threads: int = 0  # torch's intra-op threads in each slot proc (0: torch's, every core)
@@ -190,7 +191,7 @@ class RunConfig:
             raise ValueError(f"run.policy={self.policy!r}: use one of {POLICIES}")
         for name in ("slot_memory", "host_memory"):
             value = getattr(self, name)
-            if value != "auto" and not re.fullmatch(r"\d+(\.\d+)?(KiB|MiB|GiB)?|\d+",
+            if value != "auto" and not re.fullmatch(r"\d+(\.\d+)?(KiB|MiB|GiB|TiB)?|\d+",
                                                     str(value).strip()):
                 raise ValueError(f"run.{name}={value!r}: give bytes (e.g. 4000000000 or "
                                  "4GiB) or auto")

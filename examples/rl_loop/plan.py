@@ -65,27 +65,38 @@ def turns(cfg: RLConfig) -> tuple[list[Turn], list[Turn]]:
     return [sync], [Wake("generator"), *reference, Wake("trainer"), sync]
 
 
-def make_plan(cfg: RLConfig, model: Path | transformers.PretrainedConfig, rates: Rates,
-              on_gpu: bool = False) -> Plan:
-    """The run's plan (see module): its capacity as the arbiter is told it (on a GPU with
-    `auto`, the device's memory), and its hosts' memory for backups as their arbiters are
-    told it (`run.host_memory`; `auto`, this machine's: a plan for another node gives that
+def make_plan(cfg: RLConfig, model: Path | transformers.PretrainedConfig, rates: Rates
+              ) -> Plan:
+    """The run's plan (see module) on the machine `rates` were measured on (a GPU's: its
+    backups pinned), which need not be this one: its capacity as the arbiter is told it
+    (on a GPU with `auto`, the device's memory, as the rates file says it, else this
+    machine's GPU's), and its hosts' memory for backups as their arbiters are told it
+    (`run.host_memory`; `auto`, this machine's: a plan for another node gives that
     node's), past which backups go to disk (`run.backup_dir`)."""
-    capacity = arbiter_config(cfg, model, on_gpu).slot_capacity_bytes
-    if capacity is None and on_gpu:
-        import torch
-
-        capacity = torch.cuda.get_device_properties(0).total_memory
+    capacity = arbiter_config(cfg, model, rates.on_gpu).slot_capacity_bytes
+    if capacity is None and rates.on_gpu:
+        capacity = rates.slot_bytes or _this_gpus_memory(rates.device)
     start, step = turns(cfg)
     process = rates.process_bytes or psutil.Process().memory_info().rss
     per_host = cfg.run.slots * (1 if cfg.run.colocate else 2)
     host = host_fields(cfg.run)
     plan = plan_run(tenants(cfg, model), step, capacity, rates, cfg.run.policy, start,
-                    host_other_bytes=process, pinned=on_gpu, slots_per_host=per_host,
+                    host_other_bytes=process, pinned=rates.on_gpu, slots_per_host=per_host,
                     host_budget=host["host_capacity_bytes"] or host_budget_capacity(),
                     backup_dir=host["backup_dir"])
     plan.notes["process_bytes_measured"] = bool(rates.process_bytes)
     return plan
+
+
+def _this_gpus_memory(device: str) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"run.slot_memory=auto plans for a GPU ({device}, as the rates "
+                         "file says) need its memory, which the file does not give (it "
+                         "predates slot_bytes): give run.slot_memory, e.g. 80GiB, or "
+                         "calibrate the rates on that GPU again")
+    return torch.cuda.get_device_properties(0).total_memory
 
 
 def measured(steps: list[dict[str, Any]], summary: dict[str, Any], reference: bool
@@ -201,8 +212,6 @@ def print_plan(cfg: RLConfig, out: str | None = None) -> bool:
     them)."""
     import json
 
-    import torch
-
     from examples.rl_loop.sources import make_source
 
     source = make_source(cfg)
@@ -210,7 +219,7 @@ def print_plan(cfg: RLConfig, out: str | None = None) -> bool:
         model = Path(cfg.model.path) if cfg.model.path else model_config(cfg, source.alphabet)
     finally:
         source.close()
-    plan = make_plan(cfg, model, rates_for(cfg), torch.cuda.is_available()).as_dict()
+    plan = make_plan(cfg, model, rates_for(cfg)).as_dict()
     path = Path(out) if out else Path(cfg.run.out) / "plan.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=2))
@@ -223,9 +232,7 @@ def plan_for_run(cfg: RLConfig, model_dir: Path, out: Path) -> dict[str, Any]:
     """A run's plan, made as it starts and written to `out`/plan.json."""
     import json
 
-    import torch
-
-    plan = make_plan(cfg, model_dir, rates_for(cfg), torch.cuda.is_available()).as_dict()
+    plan = make_plan(cfg, model_dir, rates_for(cfg)).as_dict()
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(plan, indent=2))
     return plan
