@@ -7,7 +7,7 @@ trainer FSDP over the node's 8 GPUs (`run.slots=8`, one host), the budget policy
 slot the GPU's memory (`run.slot_memory=auto`), and the host's memory for backups
 (`run.host_memory`, 256 GiB and 1 TiB). The loop holds every copy in float32 (the trainer's and
 vLLM's weights, the KV cache) and sizes vLLM's KV cache for `generator.max_batch` sequences
-of the model's `max_position_embeddings`, which the configs here set to `SEQUENCE` tokens.
+of `generator.max_model_len` tokens, `SEQUENCE` here.
 
 The rates: a rates file measured on the GPU (`--rates FILE`, as `tests/gpu/device.sh run`
 brings back), else `H100`: the H100 figures of bench/RESULTS.md ("One H100, `device.sh
@@ -30,7 +30,8 @@ from examples.rl_loop.config import load_config
 from examples.rl_loop.plan import make_plan
 
 SEQUENCE = 4096  # prompt and completion, the tokens a sequence's KV cache holds
-# the published configs' fields (Qwen/Qwen2.5-7B, Qwen/Qwen2.5-32B on the Hugging Face hub)
+# the published configs' fields (Qwen/Qwen2.5-7B-Instruct, Qwen/Qwen2.5-32B-Instruct on the
+# Hugging Face hub)
 MODELS = {
     "Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4),
@@ -55,16 +56,16 @@ H100 = Rates(device="NVIDIA H100 80GB HBM3", backup_out=0.93 * 54.0 * GB,
 
 
 def model_config(name: str) -> transformers.PretrainedConfig:
-    """`name`'s published config, its positions cut to the run's `SEQUENCE`."""
+    """`name`'s published config."""
     return transformers.Qwen2Config(**MODELS[name], vocab_size=152064,
-                                    max_position_embeddings=SEQUENCE,
-                                    tie_word_embeddings=False)
+                                    max_position_embeddings=32768, tie_word_embeddings=False)
 
 
 def plan_row(name: str, host_memory: str, rates: Rates, beta: float = 0.0) -> dict[str, Any]:
     """The plan of `name`'s run on the node (see module), in the table's figures."""
     overrides = ["run.slots=8", "run.engine=vllm", "trainer.parallel=fsdp",
                  f"generator.tensor_parallel_size={TENSOR_PARALLEL[name]}",
+                 f"generator.max_model_len={SEQUENCE}",
                  f"run.host_memory={host_memory}", f"grpo.beta={beta}"]
     plan = make_plan(load_config(overrides=overrides), model_config(name), rates).as_dict()
     slot = plan["slots"][0]

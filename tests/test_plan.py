@@ -186,7 +186,7 @@ def test_a_vllm_copy_over_tensor_parallel_ranks_holds_its_share_of_the_kv_heads(
     """Each rank of a copy holds its share of the key/value heads (vLLM splits them), at
     least one (past their number vLLM repeats them): what the engine reserves per rank and
     what the plan sizes."""
-    from colocate.engines.generator import kv_cache_bytes
+    from colocate.engines.generator import KV_BLOCK_TOKENS, kv_cache_bytes
     from examples.rl_loop.budget import tenant_sizes
 
     config = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
@@ -202,6 +202,18 @@ def test_a_vllm_copy_over_tensor_parallel_ranks_holds_its_share_of_the_kv_heads(
         return sizes["generator"].stages["kv_cache"][0]
 
     assert planned(2) == planned(1) // 2 > 0
+    # sized for the sequences the generator serves (generator.max_model_len), not the
+    # model's positions
+    cfg = load_config(overrides=["run.engine=vllm", "model.max_positions=64"])
+    served = load_config(overrides=["run.engine=vllm", "model.max_positions=64",
+                                    "generator.max_model_len=32", "generator.block_size=32"])
+    for config in (cfg, served):
+        assert tenant_sizes(config, model_config(config, task.ALPHABET))["generator"].stages[
+            "kv_cache"][0] == kv_cache_bytes(model_config(config, task.ALPHABET).to_dict(), 64,
+                                             config.served_positions or 64,
+                                             config.generator.block_size or KV_BLOCK_TOKENS)
+    with pytest.raises(ValueError, match="generator.max_model_len=-1: must be >= 0"):
+        load_config(overrides=["generator.max_model_len=-1"])
 
 
 def test_the_anchor_plans_hold_a_7b_and_a_32b_model_as_their_parameters_say():

@@ -193,11 +193,15 @@ async def test_beta_keeps_the_policy_near_the_reference_and_logs_the_kl(tmp_path
 
 async def test_a_sharded_reference_beside_vllm_on_two_slots(tmp_path):
     """FSDP on 2 slots, one vLLM replica over both, the reference sharded like the trainer:
-    each proc holds about half of it, and each proc's peak stays within its bound."""
+    each proc holds about half of it, and each proc's peak stays within its bound. vLLM
+    serves fewer positions than the model has (`generator.max_model_len`), and its KV cache
+    is the plan's: a peak slot off by more than 10% would say it sized the model's."""
     pytest.importorskip("vllm")
     loop, summary = await run(tmp_path, "run.engine=vllm", "run.slots=2",
                               "trainer.parallel=fsdp", "grpo.beta=0.1", "run.steps=2",
-                              "run.eval_every=2")
+                              "run.eval_every=2", "model.max_positions=64",
+                              "generator.max_model_len=32", "generator.block_size=32")
+    assert summary["plan"]["peak_slot"]["within"]
     memory = summary["memory_per_proc"]
     assert memory["procs"] == 2 and memory["within_bound"]
     whole = sum(p.numel() * p.element_size() for p in load_model(loop.model_dir).parameters())

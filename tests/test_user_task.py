@@ -353,6 +353,16 @@ async def test_a_missing_file_is_refused_before_the_run_with_metrics_written(tmp
     too_long = user_task(tmp_path, "grpo.max_completion_length=40")
     with pytest.raises(ValueError, match=r"need 45 positions; the model has 16"):
         Loop(load_config(overrides=too_long))
+    served = user_task(tmp_path, "model.max_positions=64", "run.engine=vllm",
+                       "generator.max_model_len=32", "grpo.max_completion_length=30")
+    with pytest.raises(ValueError, match=r"need 35 positions; the generator serves 32 "
+                                         r"\(generator.max_model_len\): raise it"):
+        Loop(load_config(overrides=served))
+    partial = user_task(tmp_path, "model.max_positions=64", "run.engine=vllm",
+                        "generator.max_model_len=32", "rollout.mode=partial",
+                        "rollout.max_tokens_per_step=8", "grpo.max_completion_length=25")
+    with pytest.raises(ValueError, match=r"need 37 positions; the run has 32"):
+        Loop(load_config(overrides=partial))
 
 
 async def test_a_failing_reward_function_stops_the_run_at_its_step_keeping_the_steps_done(

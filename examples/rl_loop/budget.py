@@ -82,7 +82,8 @@ def tenant_sizes(cfg: RLConfig, model: Path | transformers.PretrainedConfig,
     # a tensor per parameter in each stage; AdamW's state is three (two moments, a step)
     tensors = {t: {s: len(params) for s in stages} for t, stages in sizes.items()}
     tensors["trainer"]["optimizer"] = 3 * len(params)
-    shape = (config.to_dict(), cfg.generator.max_batch, config.max_position_embeddings)
+    shape = (config.to_dict(), cfg.generator.max_batch,
+             cfg.served_positions or config.max_position_embeddings)
     if cfg.run.engine == "vllm":  # its weights kept across a sleep, its KV cache a stage
         tp = cfg.generator.tensor_parallel_size if slots > 1 else 1
         block = cfg.generator.block_size or KV_BLOCK_TOKENS  # as the engine sizes it

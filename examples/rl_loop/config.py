@@ -113,6 +113,8 @@ class GeneratorConfig:
     block_size: int = 0  # vLLM: tokens per KV block, its prefix cache's unit of reuse
     # (0: vLLM's own, 128 on CPU, 16 on CUDA; CPU takes multiples of 32)
     max_batch: int = 64  # rows a replica decodes together (torch) or at most (vLLM)
+    max_model_len: int = 0  # vLLM: the longest sequence it serves, prompt and completion,
+    # for which its KV cache is sized (0: the model's max_position_embeddings)
     session_cache_mb: int = 0  # torch: MiB of KV prefixes kept between an episode's turns
 
     def __post_init__(self) -> None:
@@ -124,6 +126,9 @@ class GeneratorConfig:
                              "vLLM's own)")
         if self.max_batch < 1:
             raise ValueError(f"generator.max_batch={self.max_batch}: must be >= 1")
+        if self.max_model_len < 0:
+            raise ValueError(f"generator.max_model_len={self.max_model_len}: must be >= 0 "
+                             "(0: the model's max_position_embeddings)")
         if self.session_cache_mb < 0:
             raise ValueError(f"generator.session_cache_mb={self.session_cache_mb}: must be "
                              ">= 0 (0: no cache, every turn prefilled anew)")
@@ -252,6 +257,12 @@ class RLConfig:
                              "vLLM replicas cannot each join the trainer's torch.distributed "
                              "world on the shared procs; give run.colocate=false (slots of "
                              "their own) or generator.replicas=spmd")
+
+    @property
+    def served_positions(self) -> int:
+        """The generator's own bound on a sequence, prompt and completion, which sizes
+        vLLM's KV cache (`generator.max_model_len`; 0: none, the model's)."""
+        return self.generator.max_model_len if self.run.engine == "vllm" else 0
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RLConfig:

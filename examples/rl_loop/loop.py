@@ -76,7 +76,7 @@ class Loop:
             self.model_dir = model_dir(cfg, self.out, self.source.alphabet)
             self.tokenizer = load_tokenizer(self.model_dir)  # checks the directory first
             self.source.prepare(self.tokenizer)
-            check_fits(self.source, self.model_dir)
+            check_fits(self.source, self.model_dir, cfg.served_positions)
             self.rollouts = self._rollouts()
         except Exception as err:
             self._refused(err)
@@ -107,10 +107,11 @@ class Loop:
         """The rollouts of `rollout.mode`, drawing from the source and sampling with each
         step's seed (the sync ones with the loop's scoring, for dynamic sampling)."""
         cfg = self.cfg
+        positions = max_positions(self.model_dir, cfg.served_positions)
         parts = (self.source, lambda tokens, params: self.runtime.generate_ids(tokens, params),
                  self.sampling, cfg.grpo, cfg.generator.max_batch)
         if cfg.rollout.partial and not (cfg.tools.used or cfg.env.used):
-            return PartialRollouts(*parts, cfg.rollout, self.model_dir)
+            return PartialRollouts(*parts, cfg.rollout, positions)
         score = functools.partial(self._score, copies=cfg.grpo.group_size)
         if cfg.tools.used or cfg.env.used:
             transcript = make_transcript(self.tokenizer, tool_schemas(cfg.tools),
@@ -118,10 +119,10 @@ class Loop:
             envs = Environments(cfg.env, cfg.data.prompt_key) if cfg.env.used else None
             turns = lambda *args: self.runtime.generate_turns(*args)  # noqa: E731
             agent = AgentRollouts(*parts, cfg.rollout, transcript, lambda: self.runtime.tools,
-                                  max_positions(self.model_dir), turns, score, envs)
+                                  positions, turns, score, envs)
             if cfg.rollout.partial:  # the episodes are the pool's items
                 return PartialAgentRollouts(parts[0], turns, *parts[2:], cfg.rollout,
-                                            self.model_dir, agent)
+                                            positions, agent)
             return agent
         return Rollouts(*parts, score)
 

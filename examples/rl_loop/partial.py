@@ -43,10 +43,8 @@ Multi-turn episodes with tools (`tools.funcs`) are items of the pool as well:
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -108,18 +106,18 @@ def prefetch(pool: Pool, rows: list[Row], step: int, generate: Any,
         pool.advance(generate, replace(sampling, seed=sampling.seed + PREFETCH_SEED)))
 
 
-def check_room(longest_prompt: int, max_new_tokens: int, budget: int, model_dir: Any) -> None:
+def check_room(longest_prompt: int, max_new_tokens: int, budget: int, positions: int) -> None:
     """A continued sample's prompt is the prompt and its tokens so far, and its call asks
-    for up to the budget's tokens more: the model's positions must hold that much."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    limit = config.get("max_position_embeddings")
+    for up to the budget's tokens more: the run's `positions` (the model's, or fewer that
+    the generator serves) must hold that much."""
     need = longest_prompt + max_new_tokens - 1 + budget
-    if limit is not None and need > limit:
+    if need > positions:
         raise ValueError(
             f"rollout.mode=partial: the longest prompt ({longest_prompt} tokens), a sample "
             f"one token short of its {max_new_tokens} and a call of "
-            f"rollout.max_tokens_per_step={budget} need {need} positions; the model has "
-            f"{limit}: raise model.max_positions (the tiny model) or lower the budget")
+            f"rollout.max_tokens_per_step={budget} need {need} positions; the run has "
+            f"{positions}: raise model.max_positions (the tiny model) or "
+            "generator.max_model_len, or lower the budget")
 
 
 class PartialRollouts(Rollouts):
@@ -128,11 +126,11 @@ class PartialRollouts(Rollouts):
 
     def __init__(self, source: Any, generate: Generate,
                  sampling: Callable[[int], SamplingParams], grpo: GRPOConfig, max_batch: int,
-                 rollout: RolloutConfig, model_dir: Path) -> None:
+                 rollout: RolloutConfig, positions: int) -> None:
         super().__init__(source, generate, sampling, grpo, max_batch)
         self.cfg = rollout
         check_room(source.longest_prompt(), source.max_new_tokens,
-                   rollout.max_tokens_per_step, model_dir)
+                   rollout.max_tokens_per_step, positions)
         self.pool = self.new_pool()
         self.prefetched: asyncio.Future | None = None  # the round beside the training
         self.beside: dict[str, Any] = {}  # its figures, for the step's row

@@ -40,7 +40,6 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -300,9 +299,9 @@ class PartialAgentRollouts(PartialRollouts):
 
     def __init__(self, source: Any, generate: GenerateTurns,
                  sampling: Callable[[int], SamplingParams], grpo: GRPOConfig, max_batch: int,
-                 rollout: RolloutConfig, model_dir: Path, agent: AgentRollouts) -> None:
+                 rollout: RolloutConfig, positions: int, agent: AgentRollouts) -> None:
         self.agent = agent
-        super().__init__(source, generate, sampling, grpo, max_batch, rollout, model_dir)
+        super().__init__(source, generate, sampling, grpo, max_batch, rollout, positions)
 
     def new_pool(self) -> EpisodePool:
         return EpisodePool(self.cfg, self.grpo.group_size, self.source.max_new_tokens,

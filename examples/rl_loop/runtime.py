@@ -192,6 +192,8 @@ class Runtime:
             options.update(session_cache_bytes=gen.session_cache_mb << 20)
         if run.engine == "vllm" and gen.block_size:
             options.update(block_size=gen.block_size)
+        if self.cfg.served_positions:
+            options.update(max_model_len=self.cfg.served_positions)
         shared = run.colocate and restart.get("restart") == "group"
         shape = {"resource_group": group, **call_bound(self.cfg), **(restart if shared else {})}
         if run.engine == "torch":

@@ -169,24 +169,28 @@ class UserTask:
         self.rewards.close()
 
 
-def check_fits(source: Source, model_dir: Path) -> None:
-    """The longest prompt and a whole completion must fit the model's positions: said
-    here, not by the generator at the first step."""
-    config = json.loads((model_dir / "config.json").read_text())
-    limit = config.get("max_position_embeddings")
+def check_fits(source: Source, model_dir: Path, served: int = 0) -> None:
+    """The longest prompt and a whole completion must fit the model's positions, and the
+    generator's when it serves fewer (`served`: `generator.max_model_len`): said here, not
+    by the generator at the first step."""
+    limit = max_positions(model_dir, served)
     need = source.longest_prompt() + source.max_new_tokens
-    if limit is not None and need > limit:
+    if need > limit:
         raise ValueError(
             f"the longest prompt ({source.longest_prompt()} tokens) and "
-            f"grpo.max_completion_length={source.max_new_tokens} need {need} "
-            f"positions; the model has {limit}: raise model.max_positions (the tiny "
-            "model), or lower data.max_prompt_length or grpo.max_completion_length")
+            f"grpo.max_completion_length={source.max_new_tokens} need {need} positions; "
+            + (f"the generator serves {limit} (generator.max_model_len): raise it"
+               if limit == served else f"the model has {limit}: raise model.max_positions "
+               "(the tiny model)")
+            + ", or lower data.max_prompt_length or grpo.max_completion_length")
 
 
-def max_positions(model_dir: Path) -> int:
-    """The model's longest sequence, prompt and completion (its config's)."""
+def max_positions(model_dir: Path, served: int = 0) -> int:
+    """The longest sequence a run takes, prompt and completion: the model's (its config's),
+    or the generator's where it serves fewer (`served`; 0: no bound of its own)."""
     config = json.loads((model_dir / "config.json").read_text())
-    return int(config.get("max_position_embeddings") or 1 << 30)
+    model = int(config.get("max_position_embeddings") or 1 << 30)
+    return min(model, served) if served else model
 
 
 def make_source(cfg: Any) -> Source:
