@@ -21,11 +21,11 @@ every slot's switch, and their copies share the memory) is fitted with it, throu
 1-slot and 2-slot points at once, as a growth of each term that is never below 0. A backup
 on disk costs more than its lone copy too (a file per stage, and bytes that the page cache
 writes back): the exclusive 1-slot runs of `DISK_SIZES` are made again with a host budget
-short of their backups, and what the fit leaves unexplained of their switches is fitted as
-`per_stage x disk stages + out_scale x (their bytes written's time) + in_scale x (their
-bytes read back's)`: on this project's CPU machines a write to a new file costs several
-times what a calibration's repeated one does, a read back about what it does. The process's
-peak is the largest of the 1-slot runs'.
+short of their backups (`DISK_RUNS` times each), and what the fit leaves unexplained of
+their switches is fitted as `per_stage x disk stages + out_scale x (their bytes written's
+time) + in_scale x (their bytes read back's)`: on this project's CPU machines a write to a
+new file costs several times what a calibration's repeated one does, a read back about what
+it does. The process's peak is the largest of the 1-slot runs'.
 """
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ POLICIES = {"64x2": ("ample", "exclusive", "tight"), "64x4": ("ample", "exclusiv
 # the sizes whose exclusive 1-slot run is made again with a host budget for backups of 3/4
 # of what they held (`run.host_memory`), so that what the budget lacks goes to disk
 DISK_SIZES = ("64x2", "384x4")
+# each of those runs made this many times, all their points fitted: what a write to disk
+# and its read back cost varies between runs of one configuration by 40% here, where a run
+# that keeps its backups in host memory repeats to about 10%
+DISK_RUNS = 3
 
 
 def capacities(overrides: list[str]) -> dict[str, int]:
@@ -108,8 +112,9 @@ def calibrate_switches(path: str | None = None) -> dict[str, Any]:
                                       metrics["summary"]["plan"]["measured_process_bytes"])
                     if slots == 1 and policy == "exclusive" and size in DISK_SIZES:
                         budget = metrics["summary"]["host/peak_backup_bytes"] * 3 // 4
-                        to_disk.append(_run(Path(f"{out}-disk"), target,
-                                            [*run, f"run.host_memory={budget}"]))
+                        to_disk += [_run(Path(f"{out}-disk{n}"), target,
+                                         [*run, f"run.host_memory={budget}"])
+                                    for n in range(DISK_RUNS)]
     fits = {way: fit_switch(found) for way, found in points.items()}
     rates = rates.with_switch_costs({way: one for way, (one, _) in fits.items()},
                                     {way: more for way, (_, more) in fits.items()}, process)
