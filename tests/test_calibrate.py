@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from colocate.planning import Rates
-from examples.rl_loop.calibrate import fit_disk, fit_switch
+from examples.rl_loop.calibrate import fit_disk, fit_switch, median
 
 
 def test_a_fit_through_runs_gives_the_fixed_cost_the_cost_per_tensor_and_the_byte_scale():
@@ -92,3 +92,12 @@ def test_the_rates_price_a_switch_with_its_ways_fit():
     assert on_disk.seconds("wake", to_disk=1_000_000, from_disk=2_000_000,
                            disk_stages=2) == pytest.approx(0.01 + 2 * 0.003 + 4.0 * 0.002
                                                            + 0.5 * 0.004)
+
+
+def test_runs_of_one_configuration_give_the_median_of_their_points():
+    # one run in three far off (a backup read back from disk at twice its time): its
+    # point is left out, coordinate by coordinate, and the counts stay whole
+    runs = [(0.0, 0.0147, 1, 0.0104, 0.0267), (0.0, 0.0147, 1, 0.0099, 0.0262),
+            (0.0, 0.0147, 1, 0.0404, 0.0567)]
+    assert median(runs) == (0.0, 0.0147, 1, 0.0104, 0.0267)
+    assert median([(0.002, 21, 1, 0.003)]) == (0.002, 21, 1, 0.003)

@@ -9,23 +9,24 @@ a real switch cost more than a lone copy of one 64 MiB tag does (pages faulted i
 the slots' procs sharing the machine's memory bandwidth). So each way is fitted as `fixed +
 per_tensor x tensors + scale x (its bytes' time at the calibrated rates)`, through runs of
 the loop at model sizes that vary the tensors and the bytes apart (`SIZES`: twice the
-layers at one width, then one layer count at two widths), each with slots ample (every
-wake has nothing to do, the sync is an in-place copy: "none" and "in_place"), exclusive
-(every switch goes through the arbiter and copies whole tenants out and back: "wake" and
-"sync") and, at the default size, tight (`run.slot_memory=auto`: the budget policy's
-handoffs, through the arbiter too), on 1 slot and on 2. Each run is a point: its median
-step's switch time beside its tensors and its bytes' time, from the third step on; the fit
-weighs each point by its own time, so a plan is off by as little as it can be relative to
-what it predicts, at every size. What a second slot adds (one arbiter a host carries out
-every slot's switch, and their copies share the memory) is fitted with it, through the
-1-slot and 2-slot points at once, as a growth of each term that is never below 0. A backup
-on disk costs more than its lone copy too (a file per stage, and bytes that the page cache
-writes back): the exclusive 1-slot runs of `DISK_SIZES` are made again with a host budget
-short of their backups (`DISK_RUNS` times each), and what the fit leaves unexplained of
-their switches is fitted as `per_stage x disk stages + out_scale x (their bytes written's
-time) + in_scale x (their bytes read back's)`: on this project's CPU machines a write to a
-new file costs several times what a calibration's repeated one does, a read back about what
-it does. The process's peak is the largest of the 1-slot runs'.
+layers at one width, then one layer count at two widths), each with slots ample (every wake
+has nothing to do, the sync is an in-place copy: "none" and "in_place"), exclusive (every
+switch goes through the arbiter and copies whole tenants out and back: "wake" and "sync")
+and, at the default size, tight (`run.slot_memory=auto`: the budget policy's handoffs,
+through the arbiter too), on 1 slot and on 2. Each configuration is a point: its median
+step's switch time beside its tensors and its bytes' time, from the third step on, the
+median of its runs' (`RUNS`: the noisiest made three times); the fit weighs each point by
+its own time, so a plan is off by as little as it can be relative to what it predicts, at
+every size. What a second slot adds (one arbiter a host carries out every slot's switch,
+and their copies share the memory) is fitted with it, through the 1-slot and 2-slot points
+at once, as a growth of each term that is never below 0. A backup on disk costs more than
+its lone copy too (a file per stage, and bytes that the page cache writes back): the
+exclusive 1-slot runs of `DISK_SIZES` are made again with a host budget short of their
+backups (`DISK_RUNS` times each, their points' median), and what the fit leaves unexplained
+of their switches is fitted as `per_stage x disk stages + out_scale x (their bytes
+written's time) + in_scale x (their bytes read back's)`: on this project's CPU machines a
+write to a new file costs several times what a calibration's repeated one does, a read back
+about what it does. The process's peak is the largest of the 1-slot runs'.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,10 @@ POLICIES = {"64x2": ("ample", "exclusive", "tight"), "64x4": ("ample", "exclusiv
 # the sizes whose exclusive 1-slot run is made again with a host budget for backups of 3/4
 # of what they held (`run.host_memory`), so that what the budget lacks goes to disk
 DISK_SIZES = ("64x2", "384x4")
-# each of those runs made this many times, all their points fitted: what a write to disk
-# and its read back cost varies between runs of one configuration by 40% here, where a run
-# that keeps its backups in host memory repeats to about 10%
+# runs of one configuration, whose points' median the fit takes: a sync in place of a few
+# ms and a backup to disk and back vary between runs by 20-40% here (one run in three far
+# off), a switch through host memory by about 10%
+RUNS = {"ample": 3, "tight": 1, "exclusive": 1}
 DISK_RUNS = 3
 
 
@@ -94,7 +96,7 @@ def calibrate_switches(path: str | None = None) -> dict[str, Any]:
     bare = dataclasses.replace(rates, fixed_s={}, fixed_per_slot_s={}, byte_scale={},
                                byte_scale_per_slot={})  # bytes only, at the raw rates
     points: dict[str, list[Point]] = {}  # way -> its runs' points
-    to_disk: list[tuple[dict, dict]] = []  # the host-budget runs: metrics, plan
+    to_disk: list[list[tuple[dict, dict]]] = []  # the host-budget runs, by configuration
     process = 0
     with tempfile.TemporaryDirectory() as tmp:
         for size, model in SIZES.items():
@@ -103,23 +105,24 @@ def calibrate_switches(path: str | None = None) -> dict[str, Any]:
                 for slots in (1, 2):
                     out = Path(tmp) / f"{size}-{policy}-{slots}"
                     run = [*model, f"run.slots={slots}", f"run.slot_memory={chosen[policy]}"]
-                    metrics, plan = _run(out, target, run)
-                    for way, point in switch_points(metrics["steps"][2:], plan, bare,
-                                                    slots).items():
-                        points.setdefault(way, []).append(point)
+                    runs = [_run(Path(f"{out}-{n}"), target, run)
+                            for n in range(RUNS[policy])]
+                    found = [switch_points(m["steps"][2:], p, bare, slots) for m, p in runs]
+                    for way in found[0]:
+                        points.setdefault(way, []).append(median([f[way] for f in found]))
                     if slots == 1:
-                        process = max(process,
-                                      metrics["summary"]["plan"]["measured_process_bytes"])
+                        process = max(process, *(m["summary"]["plan"]["measured_process_bytes"]
+                                                 for m, _ in runs))
                     if slots == 1 and policy == "exclusive" and size in DISK_SIZES:
-                        budget = metrics["summary"]["host/peak_backup_bytes"] * 3 // 4
-                        to_disk += [_run(Path(f"{out}-disk{n}"), target,
-                                         [*run, f"run.host_memory={budget}"])
-                                    for n in range(DISK_RUNS)]
+                        budget = runs[0][0]["summary"]["host/peak_backup_bytes"] * 3 // 4
+                        to_disk.append([_run(Path(f"{out}-disk{n}"), target,
+                                             [*run, f"run.host_memory={budget}"])
+                                        for n in range(DISK_RUNS)])
     fits = {way: fit_switch(found) for way, found in points.items()}
     rates = rates.with_switch_costs({way: one for way, (one, _) in fits.items()},
                                     {way: more for way, (_, more) in fits.items()}, process)
-    disk = [point for metrics, plan in to_disk
-            for point in disk_points(metrics["steps"][2:], plan, rates)]
+    disk = [median(same) for runs in to_disk for same in zip(
+        *(disk_points(m["steps"][2:], p, rates) for m, p in runs), strict=True)]
     rates = dataclasses.replace(rates, **dict(zip(
         ("disk_stage_s", "disk_out_scale", "disk_in_scale"), fit_disk(disk), strict=True)))
     rates.save(target)
@@ -132,6 +135,11 @@ def calibrate_switches(path: str | None = None) -> dict[str, Any]:
             "process_bytes": process,
             "points": dict(sorted(points.items())),
             "disk_points": disk}
+
+
+def median(points: Sequence[tuple]) -> tuple:
+    """The median of `points` (runs of one configuration), coordinate by coordinate."""
+    return tuple(statistics.median(values) for values in zip(*points, strict=True))
 
 
 def _run(out: Path, rates_file: Path, overrides: list[str]) -> tuple[dict, dict]:
