@@ -36,6 +36,7 @@ from colocate.engines.generator import KV_BLOCK_TOKENS, kv_cache_bytes, working_
 from colocate.memory import Traffic
 from colocate.resources.manager import ResourceManager
 from examples.rl_loop.config import RLConfig
+from examples.rl_loop.sources import within_served
 from services import Service
 
 # stage -> (bytes in weights' units, kept across a sleep): what each tenant holds, as the
@@ -83,7 +84,7 @@ def tenant_sizes(cfg: RLConfig, model: Path | transformers.PretrainedConfig,
     tensors = {t: {s: len(params) for s in stages} for t, stages in sizes.items()}
     tensors["trainer"]["optimizer"] = 3 * len(params)
     shape = (config.to_dict(), cfg.generator.max_batch,
-             cfg.served_positions or config.max_position_embeddings)
+             within_served(config.max_position_embeddings, cfg.served_positions))
     if cfg.run.engine == "vllm":  # its weights kept across a sleep, its KV cache a stage
         tp = cfg.generator.tensor_parallel_size if slots > 1 else 1
         block = cfg.generator.block_size or KV_BLOCK_TOKENS  # as the engine sizes it

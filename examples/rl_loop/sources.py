@@ -189,8 +189,13 @@ def max_positions(model_dir: Path, served: int = 0) -> int:
     """The longest sequence a run takes, prompt and completion: the model's (its config's),
     or the generator's where it serves fewer (`served`; 0: no bound of its own)."""
     config = json.loads((model_dir / "config.json").read_text())
-    model = int(config.get("max_position_embeddings") or 1 << 30)
-    return min(model, served) if served else model
+    return within_served(int(config.get("max_position_embeddings") or 1 << 30), served)
+
+
+def within_served(positions: int, served: int) -> int:
+    """The model's `positions`, or fewer where the generator serves fewer (`served`; 0:
+    no bound of its own)."""
+    return min(positions, served) if served else positions
 
 
 def make_source(cfg: Any) -> Source:
