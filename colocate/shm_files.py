@@ -76,6 +76,11 @@ def remove_files_of(pids: Iterable[int]) -> list[Path]:
     return removed
 
 
+def pending() -> tuple[int, ...]:
+    """Procs whose files were left because they still ran at their `remove_files_of`."""
+    return tuple(sorted(_pending))
+
+
 PROGRESS_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 

@@ -71,6 +71,7 @@ async def test_wake_releases_the_other_and_restores_contents():
         probes = values(await group.procs.spawn("check", ProcProbe).info.call())
         assert sorted(p["slot"] for p in probes) == ["0", "1"]
         assert sorted(p["pid"] for p in probes) == sorted(group.pids)
+        assert sorted(group.here) == sorted(group.pids)  # this machine's procs: signalled
         await switch_and_check(rm, a, b, mib=128)
 
 

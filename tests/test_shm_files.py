@@ -69,3 +69,21 @@ def test_a_killed_procs_recorded_files_go_and_no_one_elses():
             path.unlink(missing_ok=True)
         for proc in procs:
             (shm_files._records() / str(proc.pid)).unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/proc/self/ns/pid").exists(),
+                    reason="a PID namespace of its own needs root and Linux")
+def test_a_pid_is_only_signalled_on_the_machine_it_names():
+    """A proc in another PID namespace (as on another host) reads as elsewhere: the runtime
+    does not kill by its pid here; a proc of this namespace reads as here."""
+    import subprocess
+    import sys
+
+    from colocate.resources.procs import machine_id
+
+    ask = [sys.executable, "-c", "from colocate.resources.procs import machine_id; "
+                                 "print(machine_id())"]
+    same = subprocess.run(ask, capture_output=True, text=True, check=True).stdout.strip()
+    other = subprocess.run(["unshare", "--pid", "--fork", *ask], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    assert same == machine_id() and other and other != same

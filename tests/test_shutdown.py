@@ -7,14 +7,18 @@ of the group's tenants routable."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import pytest
 from faulty import FaultyTenant
+from monarch.actor import Actor, endpoint
 
-from colocate import phase
+from colocate import phase, shm_files
 from colocate.arbiter import ArbiterConfig
 from colocate.resources import zygote
 from colocate.resources.manager import ResourceManager
@@ -157,3 +161,32 @@ async def test_a_released_groups_tenants_are_not_routable():
         assert (rm.routable("a"), rm.routable("b")) == (True, False)  # b asleep
         await rm.release("g", grace_s=1.0)
         assert (rm.routable("a"), rm.routable("b")) == (False, False)
+
+
+class ShmWriter(Actor):
+    """Makes a shared-memory file and records it, as vLLM's CPU communicator does."""
+
+    @endpoint
+    def make(self, tag: str) -> str:
+        path = f"/dev/shm/colocate-test-{tag}-{os.getpid()}"
+        shm_files.record([path])
+        Path(path).write_bytes(b"x")
+        return path
+
+
+async def test_a_release_cancelled_while_it_stops_the_procs_is_finished_by_shutdown():
+    """A group restart that fails releases its group; a shutdown then cancels that release
+    mid-stop. The group stays the runtime's until its procs are stopped, so shutdown stops
+    them and removes the files they recorded."""
+    async with start_runtime(gpus_per_host=2) as rm:
+        group = await rm.reserve(ResourceRequest("g", 1, 2))
+        writers = group.procs.spawn("writer", ShmWriter)
+        files = [path for _, path in (await writers.make.call(uuid.uuid4().hex)).items()]
+        assert all(Path(f).exists() for f in files)
+        release = asyncio.ensure_future(rm.release("g", grace_s=5.0))
+        await asyncio.sleep(0.05)
+        release.cancel()
+        await asyncio.gather(release, return_exceptions=True)
+        assert release.cancelled() and "g" in rm.groups.groups  # not forgotten half done
+    assert await none_left(set(group.pids), STOPPED_WITHIN_S) == set()
+    assert [f for f in files if Path(f).exists()] == []

@@ -60,7 +60,11 @@ class Group:
     placement: Placement
     procs: Any  # ProcMesh with dims (hosts, gpus)
     pids: tuple[int, ...]
+    here: tuple[int, ...]  # those of `pids` that run on this machine
     used: dict[str, set[tuple[int, int]]] = field(default_factory=dict)  # owner -> (h, g)
+
+    def slot_procs(self) -> SlotProcs:
+        return SlotProcs(self.procs, self.pids, self.here)
 
     def slot(self, host: int, proc: int) -> tuple[int, int]:
         """The (host, slot) of the group's proc at local coordinates (host, proc)."""
@@ -104,7 +108,7 @@ class Groups:
         except BaseException:
             self.inventory.release(request.resource_group)
             raise
-        group = Group(placement, started.procs, started.pids)
+        group = Group(placement, started.procs, started.pids, started.here)
         self.groups[request.resource_group] = group
         logger.info("resource group %r on hosts %s, gpus %s", request.resource_group,
                     placement.hosts, placement.gpus)
@@ -126,7 +130,7 @@ class Groups:
         Cancelled (a shutdown) while the new procs start, it lets them start and stops
         them, so none is left that nobody owns."""
         group = self.get(name)
-        old = SlotProcs(group.procs, group.pids)
+        old = group.slot_procs()
         starting = asyncio.ensure_future(self._start_procs(group.placement))
         try:
             started = await asyncio.shield(starting)
@@ -136,7 +140,7 @@ class Groups:
             except Exception as err:
                 logger.warning("group %r: new procs of a cancelled restart: %s", name, err)
             raise
-        group.procs, group.pids = started.procs, started.pids
+        group.procs, group.pids, group.here = started.procs, started.pids, started.here
         await stop_procs(old, grace_s, kill_first=True)
         return group, old
 
@@ -212,17 +216,21 @@ class Groups:
             lambda h, p: slots[h * per_host + p][1],
             self.virtual or not group.placement.with_gpus, self.fork_server)
         self.replacements.append(started)
-        remove_files_of(allocation.pids)  # of the procs that died; live ones keep theirs
+        here = {*group.here, *(pid for procs in self.replacements for pid in procs.here)}
+        # of the procs that died here; live ones keep theirs
+        remove_files_of(pid for pid in allocation.pids if pid in here)
         return Allocation(allocation.group, allocation.owner, started.procs, slots,
                           allocation.hosts, per_host, replacement=True, pids=started.pids,
                           timeshared=allocation.timeshared)
 
     async def release(self, name: str, grace_s: float) -> Group:
-        """Stop the group's procs and give its GPUs back; returns what it was."""
+        """Stop the group's procs and give its GPUs back; returns what it was. The group
+        is forgotten only once its procs are stopped: a release cancelled midway (a
+        shutdown cancelling a failed restart's) leaves it for the next release to stop."""
         group = self.get(name)
-        del self.groups[name]
-        await stop_procs(SlotProcs(group.procs, group.pids), grace_s)
-        self.inventory.release(name)
+        await stop_procs(group.slot_procs(), grace_s)
+        if self.groups.pop(name, None) is not None:  # not released meanwhile
+            self.inventory.release(name)
         return group
 
     async def stop_replacements(self, grace_s: float) -> None:

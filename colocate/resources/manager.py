@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from monarch.actor import Actor
 
+from colocate import shm_files
 from colocate.arbiter.config import ArbiterConfig
 from colocate.arbiter.host import HostStatus
 from colocate.arbiter.proc_watch import ProcWatchClient
@@ -47,6 +48,7 @@ from colocate.resources.listener import Listener
 from colocate.resources.lost_hosts import LostHosts
 from colocate.resources.packing import Inventory, ResourceError, ResourceRequest
 from colocate.resources.proc_main import HOST
+from colocate.resources.procs import ended
 from colocate.resources.spawning import Spawns
 from colocate.resources.switching import Switchboard
 
@@ -307,6 +309,9 @@ class ResourceManager:
         if _current is self:
             _current = None
         await asyncio.to_thread(self.job.stop, grace_s)
+        # procs of a lost host may outlive their stop and end with their host's job
+        await ended(shm_files.pending(), grace_s)
+        shm_files.remove_files_of(())
 
 
 _current: ResourceManager | None = None

@@ -6,7 +6,9 @@ One function starts procs for a resource group and for the replacement of dead o
 resolve to a GPU UUID at bootstrap (`gpus.run_on_slot_gpu` sets CUDA_VISIBLE_DEVICES),
 plus torch_memory_saver's preload environment in preload mode. `stop_procs` stops a proc
 mesh within a grace period, kills what is left by pid, and removes the shared-memory files
-its procs recorded (`shm_files`).
+its procs recorded (`shm_files`). Only procs on this machine are signalled by pid: a pid
+names a process on its own kernel and PID namespace (`machine_id`), and another host's
+procs end with Monarch's stop and their host's job.
 """
 
 from __future__ import annotations
@@ -91,22 +93,34 @@ def bootstrap_command(env: Callable[[dict[str, int]], dict[str, str]],
     return command
 
 
+def machine_id() -> str:
+    """What a pid is relative to: this kernel's boot and this process's PID namespace (two
+    Slurm nodes emulated on one machine share it; two real hosts do not)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return f"{boot.read().strip()}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # no /proc: name the host
+        return os.uname().nodename
+
+
 class ProcProbe(Actor):
-    """Tells what a proc is: its pid and the slot environment it was started with."""
+    """Tells what a proc is: its pid, where that pid holds, and the slot environment it
+    was started with."""
 
     @endpoint
     def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "slot": os.environ.get(SLOT_ENV),
+        return {"pid": os.getpid(), "machine": machine_id(), "slot": os.environ.get(SLOT_ENV),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 @dataclass(frozen=True)
 class SlotProcs:
-    """Procs started by `spawn_slot_procs`: the proc mesh (dims hosts, gpus) and the pids
-    of its processes, in mesh order."""
+    """Procs started by `spawn_slot_procs`: the proc mesh (dims hosts, gpus), the pids of
+    its processes in mesh order, and those of them that run on this machine."""
 
     procs: Any
     pids: tuple[int, ...]
+    here: tuple[int, ...]
 
 
 async def spawn_slot_procs(host_mesh: Any, first_host: int, hosts: int, per_host: int,
@@ -123,8 +137,10 @@ async def spawn_slot_procs(host_mesh: Any, first_host: int, hosts: int, per_host
     procs = select(host_mesh, hosts=slice(first_host, first_host + hosts)).spawn_procs(
         per_host={"gpus": per_host}, bootstrap_command=bootstrap_command(env, fork_server))
     probe = procs.spawn("probe", ProcProbe)
-    info = await probe.info.call()
-    return SlotProcs(procs, tuple(value["pid"] for _, value in info.items()))
+    info = [value for _, value in (await probe.info.call()).items()]
+    here = machine_id()
+    return SlotProcs(procs, tuple(v["pid"] for v in info),
+                     tuple(v["pid"] for v in info if v["machine"] == here))
 
 
 async def stop_procs(procs: SlotProcs, grace_s: float, kill_first: bool = False) -> None:
@@ -133,15 +149,15 @@ async def stop_procs(procs: SlotProcs, grace_s: float, kill_first: bool = False)
     (procs whose work is abandoned), kill them before Monarch's stop, which then does not
     wait on them."""
     if kill_first:
-        _kill(procs.pids)
+        _kill(procs.here)
     try:
         await asyncio.wait_for(procs.procs.stop(), grace_s)
     except Exception as err:  # a timeout, or procs that already died
         logger.warning("procs did not stop within %s s (%s); killing %s", grace_s, err,
                        list(procs.pids))
-    _kill(procs.pids)
-    await _ended(procs.pids, grace_s)
-    remove_files_of(procs.pids)
+    _kill(procs.here)
+    await ended(procs.here, grace_s)
+    remove_files_of(procs.here)
 
 
 def _kill(pids: tuple[int, ...]) -> None:
@@ -152,7 +168,7 @@ def _kill(pids: tuple[int, ...]) -> None:
             pass
 
 
-async def _ended(pids: tuple[int, ...], timeout_s: float) -> None:
+async def ended(pids: tuple[int, ...], timeout_s: float) -> None:
     """Wait (at most `timeout_s`) until none of `pids` runs: a killed process takes a
     moment to go."""
     deadline = asyncio.get_running_loop().time() + timeout_s

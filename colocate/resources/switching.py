@@ -66,7 +66,7 @@ class Switchboard:
         procs = host_mesh.spawn_procs(
             per_host={"procs": 1}, bootstrap_command=bootstrap_command(lambda point: {},
                                                                        fork_server))
-        self._procs = SlotProcs(procs, ())
+        self._procs = SlotProcs(procs, (), ())
         self._arbiters = procs.spawn("arbiter", Arbiter, list(range(slots_per_host)),
                                      self.config)
         await self._arbiters.status.call()
