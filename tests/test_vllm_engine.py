@@ -25,7 +25,7 @@ import monarch.job  # noqa: E402, F401
 
 from colocate import memory, telemetry  # noqa: E402
 from colocate.engines.compute_thread import ComputeThread  # noqa: E402
-from colocate.engines.generator import TorchGenerator  # noqa: E402
+from colocate.engines.generator import TorchGenerator, WeightsDiscardedError  # noqa: E402
 from colocate.engines.models import load_model, load_tokenizer  # noqa: E402
 from colocate.engines.sampling import Completion, PrefixCounts, SamplingParams  # noqa: E402
 from colocate.engines.tiny import write_tiny_model  # noqa: E402
@@ -248,6 +248,25 @@ def test_load_weights_changes_the_output(engine: VLLMGenerator, model: Model) ->
     finally:
         engine.load_weights(model.state_dict().items())
     assert [c.tokens for c in engine.generate(PROMPTS, GREEDY)] == original
+
+
+def test_weights_dropped_at_a_sleep_are_refused_until_new_ones_load(
+        engine: VLLMGenerator, model: Model) -> None:
+    """The arbiter may drop the weights (a host without room for their copy; always, for a
+    loop's generator with keep_weights=False): the sleep copies nothing, the woken engine
+    refuses to generate, and once the sync's weights load it generates as before."""
+    before = engine.generate(PROMPTS, GREEDY)
+    info = engine.tenancy.describe()
+    assert "weights" in info.kept and info.refillable == ("weights",)
+    engine.tenancy.sleep(places={"weights": memory.DROP})
+    assert memory.backup_reading().host_bytes == 0  # no copy kept
+    engine.tenancy.wake(["weights", "kv_cache"])
+    for call in (lambda: engine.generate(PROMPTS, GREEDY), engine.weights):
+        with pytest.raises(WeightsDiscardedError, match="dropped .* sync weights"):
+            call()
+    engine.load_weights(model.state_dict().items())
+    assert engine.tenancy.lost == frozenset()
+    assert engine.generate(PROMPTS, GREEDY) == before
 
 
 def test_bad_weights_are_refused_whole(engine: VLLMGenerator, model: Model) -> None:

@@ -163,9 +163,6 @@ class GeneratorActor(TenantActor):
                  **options: Any) -> None:
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r}: use one of {ENGINES}")
-        if engine == "vllm" and "keep_weights" in options:
-            raise ValueError("keep_weights is an option of the torch engine; the vLLM "
-                             "engine always keeps its weights across sleeps")
         self.engine: Generator
         if engine == "torch":
             self.engine = generator.TorchGenerator(load_model(model_dir), max_batch,

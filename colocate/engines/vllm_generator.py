@@ -1,10 +1,12 @@
 """The vLLM generator: `vllm.LLM` behind the same interface as the built-in `TorchGenerator`.
 
-Its memory is two stages of one tenant, "weights" (kept across a sleep) and "kv_cache"
-(dropped). Its `tenancy` sleeps, wakes and describes them (`vllm_sleep`): on CPU through
-the worker extension (`colocate.engines.vllm_worker.ColocateWorker`), which puts the model
-and the KV cache under two `colocate.memory` tags (vLLM's own sleep does nothing there);
-on CUDA through vLLM's native sleep mode.
+Its memory is two stages of one tenant, "weights" (kept across a sleep; dropped with
+`keep_weights=False`, for an engine whose every wake comes with new weights, and refused
+to generate with until they come) and "kv_cache" (dropped). Its `tenancy` sleeps, wakes
+and describes them (`vllm_sleep`): on CPU through the worker extension
+(`colocate.engines.vllm_worker.ColocateWorker`), which puts the model and the KV cache
+under two `colocate.memory` tags (vLLM's own sleep does nothing there); on CUDA through
+vLLM's native sleep mode.
 
 The engine runs in this process: `VLLM_ENABLE_V1_MULTIPROCESSING=0` (set unless the caller
 set it) puts vLLM's engine core and its single worker in the caller's process, so the
@@ -52,7 +54,7 @@ import vllm
 
 from colocate import memory
 from colocate.engines.generating import check_prompts
-from colocate.engines.generator import KV_BLOCK_TOKENS, kv_cache_bytes
+from colocate.engines.generator import KV_BLOCK_TOKENS, WeightsDiscardedError, kv_cache_bytes
 from colocate.engines.in_flight import InFlight
 from colocate.engines.sampling import (
     Completion,
@@ -95,7 +97,7 @@ class VLLMGenerator:
     `tenancy` sleeps, wakes and describes it (on this rank: every rank has its own)."""
 
     def __init__(self, model_dir: str, max_batch: int = 64, seed: int = 0,
-                 prefix: str = "vllm", **llm_kwargs: Any) -> None:
+                 prefix: str = "vllm", keep_weights: bool = True, **llm_kwargs: Any) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -127,8 +129,9 @@ class VLLMGenerator:
         torch.set_num_threads = set_num_threads
         no_teardown_at_exit(self.llm)
         self.in_flight = InFlight()  # the continuous calls; its gate guards their state
-        self.tenancy: VLLMTenancy = NativeSleep(self.llm, self.in_flight.idle) if native \
-            else ArenaSleep(self.llm, prefix, self.in_flight.idle)
+        self.tenancy: VLLMTenancy = \
+            NativeSleep(self.llm, self.in_flight.idle, keep_weights) if native \
+            else ArenaSleep(self.llm, prefix, self.in_flight.idle, keep_weights)
         self.threads = torch.get_num_threads()  # vLLM's, set at its start (step_threads)
         self.stepper = EngineStepper(self.llm.llm_engine, f"{prefix}-steps", self.in_flight.gate,
                                      self._answer, self.threads)
@@ -173,6 +176,7 @@ class VLLMGenerator:
                 written += self._rpc("colocate_load_weights", bucket)
                 del bucket  # gone before the next bucket is made (gathered)
             self.llm.reset_prefix_cache()  # cached prefixes were computed with the old ones
+            self.tenancy.refilled("weights")
             self.version += 1
             return written
 
@@ -359,3 +363,7 @@ class VLLMGenerator:
         if asleep:
             raise memory.TagPausedError(f"vLLM generator: {what} needs {asleep} awake, but "
                                         f"only {list(awake)} are: wake({asleep}) first")
+        if what != "load_weights" and "weights" in self.tenancy.lost:
+            raise WeightsDiscardedError(
+                f"vLLM generator: {what}: its weights were dropped when it last slept and "
+                "none were loaded since: sync weights to it (services.sync_weights) first")

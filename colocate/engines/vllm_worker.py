@@ -125,14 +125,17 @@ def _ties_embeddings(model: nn.Module) -> bool:
 class ColocateWorker:
     """Mixed into vLLM's worker; every method is reached by `collective_rpc`."""
 
-    def colocate_adopt(self, prefix: str) -> dict[str, int]:
-        """Put the model under tag `<prefix>/weights` and the KV cache under
+    def colocate_adopt(self, prefix: str, keep_weights: bool = True) -> dict[str, int]:
+        """Put the model's parameters under tag `<prefix>/weights` and the KV cache under
         `<prefix>/kv_cache` of this process, one stage each of this worker's tenancy;
-        returns the bytes of each."""
+        returns the bytes of each. The weights are refillable (a sleep may drop them: a
+        load refills them), and with `keep_weights=False` every sleep drops them; the
+        model's buffers (rotary tables) stay untagged, as no load rewrites them."""
+        backup = {**BACKUP, "weights": keep_weights}
         self.colocate_tenancy = TaggedTenant({stage: f"{prefix}/{stage}" for stage in BACKUP},
-                                             backup=BACKUP)
+                                             backup=backup, refillable=("weights",))
         runner = self.model_runner
-        owned = {"weights": runner.model, "kv_cache": runner.kv_caches}
+        owned = {"weights": list(runner.model.parameters()), "kv_cache": runner.kv_caches}
         return {stage: self.colocate_tenancy.adopt(owned[stage], stage) for stage in BACKUP}
 
     def colocate_sleep(self, stages: list[str], places: dict[str, str] | None = None) -> int:

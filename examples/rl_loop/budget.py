@@ -40,7 +40,8 @@ from examples.rl_loop.sources import within_served
 from services import Service
 
 # stage -> (bytes in weights' units, kept across a sleep): what each tenant holds, as the
-# engines tag it (colocate/engines: trainer, generator with keep_weights=False, reference)
+# loop's engines tag them (colocate/engines: trainer, generator with keep_weights=False,
+# reference)
 STAGES = {
     "trainer": {"weights": (1, True), "optimizer": (2, True), "grads": (1, False)},
     "generator": {"weights": (1, False)},
@@ -85,10 +86,10 @@ def tenant_sizes(cfg: RLConfig, model: Path | transformers.PretrainedConfig,
     tensors["trainer"]["optimizer"] = 3 * len(params)
     shape = (config.to_dict(), cfg.generator.max_batch,
              within_served(config.max_position_embeddings, cfg.served_positions))
-    if cfg.run.engine == "vllm":  # its weights kept across a sleep, its KV cache a stage
+    if cfg.run.engine == "vllm":  # its KV cache a stage of its own
         tp = cfg.generator.tensor_parallel_size if slots > 1 else 1
         block = cfg.generator.block_size or KV_BLOCK_TOKENS  # as the engine sizes it
-        sizes["generator"] = {"weights": (whole // tp, True),
+        sizes["generator"] = {"weights": (whole // tp, False),
                               "kv_cache": (kv_cache_bytes(*shape, block, tp), False)}
         tensors["generator"]["kv_cache"] = config.num_hidden_layers
         return {t: Size(stages, 0, tensors[t]) for t, stages in sizes.items()}

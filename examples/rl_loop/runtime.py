@@ -187,7 +187,8 @@ class Runtime:
         the trainer's restart policy (one per group); on slots of its own, a lost replica
         is respawned alone and given the weights (`_resync`)."""
         gen, run = self.cfg.generator, self.cfg.run
-        options = {"engine": run.engine, "max_batch": gen.max_batch}
+        # every wake comes with the trainer's weights (a sync): keep none across sleeps
+        options = {"engine": run.engine, "max_batch": gen.max_batch, "keep_weights": False}
         if run.engine == "torch" and gen.session_cache_mb:
             options.update(session_cache_bytes=gen.session_cache_mb << 20)
         if run.engine == "vllm" and gen.block_size:
@@ -197,9 +198,7 @@ class Runtime:
         shared = run.colocate and restart.get("restart") == "group"
         shape = {"resource_group": group, **call_bound(self.cfg), **(restart if shared else {})}
         if run.engine == "torch":
-            # every wake comes with the trainer's weights (a sync): keep none across sleeps
             config = ServiceConfig(num_replicas=run.slots * run.hosts, **shape)
-            options["keep_weights"] = False
         elif run.slots * run.hosts == 1:
             config = ServiceConfig(**shape)
         elif gen.replicas == "per_copy":  # an engine per model copy, on tp slots of a host
