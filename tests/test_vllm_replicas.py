@@ -105,4 +105,4 @@ def test_the_budget_holds_a_whole_model_and_its_kv_cache_on_each_copys_slot(tmp_
     assert len(copies) == 2 and len(sizes) == 4  # the trainer's 2 slots, then the copies'
     kv = kv_cache_bytes(config.to_dict(), 64, config.max_position_embeddings, BLOCK)
     whole = sizes[0]["trainer"].stages["weights"][0]  # DDP: the whole model
-    assert all(c.stages == {"weights": (whole, True), "kv_cache": (kv, False)} for c in copies)
+    assert all(c.stages == {"weights": (whole, False), "kv_cache": (kv, False)} for c in copies)
