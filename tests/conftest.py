@@ -44,10 +44,10 @@ def pytest_runtest_makereport(item: pytest.Item,
 # The files that take longest (seconds of a quiet 2-core run, `--durations=0`), run first:
 # `make test`'s two workers take whole files in collection order, so a long file left to
 # the end would run alone while the other worker idles.
-LONGEST_FIRST = ("test_slurm_loop.py", "test_gpu_bundle.py", "test_vllm_engine.py",
-                 "test_switch_faults.py", "test_properties.py", "test_memory.py",
-                 "test_notebook.py", "test_vllm_procs.py", "test_vllm_replicas.py",
-                 "test_chaos.py", "test_step_budget.py", "test_partial.py")
+LONGEST_FIRST = ("test_slurm_loop.py", "test_vllm_engine.py", "test_gpu_bundle.py",
+                 "test_rl_loop.py", "test_engine_actors.py", "test_memory.py",
+                 "test_services.py", "test_runtime.py", "test_switch_faults.py",
+                 "test_durable_runs.py", "test_arbiter_core.py", "test_partial.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
