@@ -41,11 +41,10 @@ def pytest_runtest_makereport(item: pytest.Item,
             stop=call.stop, user_properties=item.user_properties)
 
 
-# The files to run first: the longest (`--durations=0` of a quiet 2-core run), `make test`'s
+# The files to run first: long ones (`--durations=0` of a quiet 2-core run), `make test`'s
 # two workers taking whole files in collection order, so that a long file is not left to
-# the end to run alone while the other worker idles. In this order the suite took 1192 s
-# where collection order took 1209 and the files sorted by their own durations 1294
-# (bench/RESULTS.md, "A proc's start").
+# the end to run alone while the other worker idles. This order ran fastest of the three
+# tried (bench/RESULTS.md, "A proc's start").
 LONGEST_FIRST = ("test_slurm_loop.py", "test_gpu_bundle.py", "test_vllm_engine.py",
                  "test_switch_faults.py", "test_properties.py", "test_memory.py",
                  "test_notebook.py", "test_vllm_procs.py", "test_vllm_replicas.py",
